@@ -1,0 +1,131 @@
+"""AlphabetSortTask: the data source and env factory the controller wires to the Rollouter.
+
+    controller: task = AlphabetSortTask.Config(...).build()
+    controller: spec = task.dataset("train")[i]          (same spec for the same seed, split, i)
+    Rollouter:  env = task.make_env(spec)                 (one MessageEnv per rollout)
+
+Train and validation draw names from disjoint pools of one NameBank, so validation measures sorting
+names the policy never saw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, overload
+
+from examples.alphabet_sort.env import AlphabetSortEnv
+from examples.alphabet_sort.episode import AlphabetSortEpisode, EpisodeShape, make_episode
+from torchtitan_rl.assets.names import NameBank
+from torchtitan_rl.config.configurable import Configurable
+
+Split = Literal["train", "validation"]
+
+
+class AlphabetSortDataset(Sequence[AlphabetSortEpisode]):
+    """Indexable episodes of one split; each built on demand from (seed, split, index)."""
+
+    def __init__(self, pool: list[str], shape: EpisodeShape, *, seed: int, split: str,
+                 num_episodes: int) -> None:
+        self._pool = pool
+        self._shape = shape
+        self._seed = seed
+        self._split = split
+        self._len = num_episodes
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, index: int) -> AlphabetSortEpisode: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[AlphabetSortEpisode]: ...
+
+    def __getitem__(self, index: int | slice) -> AlphabetSortEpisode | list[AlphabetSortEpisode]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._len))]
+        if not 0 <= index < self._len:
+            raise IndexError(f"{self._split} episode index must be in [0, {self._len}), got {index}")
+        return make_episode(self._pool, self._shape, seed=self._seed, split=self._split,
+                            index=index)
+
+
+class AlphabetSortTask(Configurable):
+    """Sort names alphabetically over 1..max_turns turns (see examples/alphabet_sort/episode.py)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        seed: int = 0
+        """Fixes every episode (turn counts, names, sort key, prompt placeholders)."""
+        min_turns: int = 1
+        max_turns: int = 3
+        """Turns per episode, uniform in [min_turns, max_turns]."""
+        min_names_per_turn: int = 1
+        max_names_per_turn: int = 5
+        """New names per turn, uniform in [min_names_per_turn, max_names_per_turn]."""
+        similarity_power: int = 4
+        """Exponent on the difflib similarity; higher = only near-perfect answers score."""
+        power_per_turn: bool = True
+        """Raise each turn's similarity to the power (then average), else average then raise."""
+        num_train_episodes: int = 100_000
+        num_validation_episodes: int = 256
+        names_seed: int = 0
+        """Seed of the NameBank the name pools come from."""
+        num_names: int = 2000
+        """Names in the bank (train and validation pools together)."""
+        validation_name_fraction: float = 0.2
+        """Share of the bank reserved for validation episodes, in (0, 1)."""
+        system_prompt: str | None = None
+        """Optional system message opening every episode."""
+
+        def __post_init__(self) -> None:
+            for name in ("min_turns", "min_names_per_turn", "similarity_power",
+                         "num_train_episodes", "num_validation_episodes"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            if self.max_turns < self.min_turns:
+                raise ValueError(f"max_turns must be >= min_turns ({self.min_turns}), "
+                                 f"got {self.max_turns}")
+            if self.max_names_per_turn < self.min_names_per_turn:
+                raise ValueError(f"max_names_per_turn must be >= min_names_per_turn "
+                                 f"({self.min_names_per_turn}), got {self.max_names_per_turn}")
+            if not 0.0 < self.validation_name_fraction < 1.0:
+                raise ValueError(f"validation_name_fraction must be in (0, 1), "
+                                 f"got {self.validation_name_fraction}")
+            need = self.max_turns * self.max_names_per_turn
+            smallest = int(self.num_names * min(self.validation_name_fraction,
+                                                1.0 - self.validation_name_fraction))
+            if smallest < need:
+                raise ValueError(f"num_names must give each split at least max_turns * "
+                                 f"max_names_per_turn = {need} names, got {self.num_names} "
+                                 f"(smaller split ~{smallest})")
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        bank = NameBank(seed=config.names_seed, num_names=config.num_names)
+        train_pool, validation_pool = bank.split(config.validation_name_fraction)
+        shape = EpisodeShape(
+            min_turns=config.min_turns, max_turns=config.max_turns,
+            min_names_per_turn=config.min_names_per_turn,
+            max_names_per_turn=config.max_names_per_turn,
+        )
+        self._datasets = {
+            "train": AlphabetSortDataset(train_pool, shape, seed=config.seed, split="train",
+                                         num_episodes=config.num_train_episodes),
+            "validation": AlphabetSortDataset(validation_pool, shape, seed=config.seed,
+                                              split="validation",
+                                              num_episodes=config.num_validation_episodes),
+        }
+
+    def dataset(self, split: Split) -> AlphabetSortDataset:
+        if split not in self._datasets:
+            raise ValueError(f"split must be one of {sorted(self._datasets)}, got {split!r}")
+        return self._datasets[split]
+
+    def make_env(self, episode: AlphabetSortEpisode) -> AlphabetSortEnv:
+        return AlphabetSortEnv(
+            episode, system_prompt=self.config.system_prompt,
+            similarity_power=self.config.similarity_power,
+            power_per_turn=self.config.power_per_turn,
+        )

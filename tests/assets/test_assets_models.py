@@ -1,0 +1,81 @@
+"""The project's own offline models: deterministic files that load in transformers and vLLM alike."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from torchtitan_rl.assets.make_model import MODEL_SIZES, directory_digest, make_model
+
+
+def test_same_seed_gives_byte_identical_directories(tmp_path):
+    a = make_model("tiny", tmp_path / "a", seed=0)
+    b = make_model("tiny", tmp_path / "b", seed=0)
+    c = make_model("tiny", tmp_path / "c", seed=1)
+    assert directory_digest(a) == directory_digest(b)
+    assert directory_digest(a) != directory_digest(c)
+    names = sorted(p.name for p in a.iterdir())
+    for required in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert required in names
+
+
+def test_make_model_cli_writes_the_requested_size(tmp_path):
+    out = tmp_path / "m"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtitan_rl.assets.make_model", "--size", "tiny", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["hidden_size"] == MODEL_SIZES["tiny"].hidden_size
+    assert config["model_type"] == "qwen3"
+
+
+def test_tokenizer_has_chat_template_and_turn_tokens(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Sort: MarcChardin, AnnaBell <alphabetical_sorted> 12 // new name!"}],
+        add_generation_prompt=True, tokenize=False,
+    )
+    assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text  # byte-level BPE: lossless
+    assert tok.eos_token == "<|im_end|>"
+    assert tok.convert_tokens_to_ids("<|im_start|>") != tok.unk_token_id
+
+
+def test_transformers_and_vllm_agree_on_greedy_tokens_in_float32(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import EngineArgs, LLMEngine, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": t}],
+                                           add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)
+        for t in ("Sort these names: ZoeAdams, MarcChardin", "Now sort ALL of these names")
+    ]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(tiny_model_dir), dtype="float32", max_model_len=256, enforce_eager=True,
+        enable_chunked_prefill=False, kv_cache_memory_bytes=64 << 20, seed=0,
+    ))
+    num_new = 8
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": ids},
+                           SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True, logprobs=0))
+    vllm_tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                vllm_tokens[out.request_id] = list(out.outputs[0].token_ids)
+    for i, ids in enumerate(prompts):
+        with torch.no_grad():
+            hf_out = hf.generate(torch.tensor([ids]), max_new_tokens=num_new, do_sample=False,
+                                 min_new_tokens=num_new)
+        assert hf_out[0, len(ids):].tolist() == vllm_tokens[str(i)]

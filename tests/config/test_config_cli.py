@@ -1,0 +1,146 @@
+"""The config system: TOML < CLI layering, typed overrides, round trip, and every error message."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.config.manager import (
+    apply_overrides,
+    config_from_toml_text,
+    config_to_toml,
+    parse_args,
+)
+from torchtitan_rl.controller.job import RLJob
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _write(tmp_path: pathlib.Path, text: str) -> str:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_then_toml_then_cli_later_sources_win(tmp_path):
+    toml = _write(tmp_path, "seed = 5\n[loop]\nnum_steps = 3\ngroup_size = 4\n")
+    parsed = parse_args(RLJob.Config, ["--config", toml, "--loop.group_size", "6"])
+    cfg = parsed.config
+    assert cfg.seed == 5  # TOML over default
+    assert cfg.loop.num_steps == 3  # TOML over default
+    assert cfg.loop.group_size == 6  # CLI over TOML
+    assert cfg.loop.prompts_per_step == RLJob.Config().loop.prompts_per_step  # untouched default
+
+
+def test_cli_types_bool_flag_list_float_literal():
+    cfg = parse_args(
+        RLJob.Config,
+        [
+            "--checkpoint.resume",
+            "--sampling.temperature", "0.5",
+            "--sampling.stop_token_ids", "3,4",
+            "--model.size", "demo",
+        ],
+    ).config
+    assert cfg.checkpoint.resume is True
+    assert cfg.sampling.temperature == 0.5
+    assert cfg.sampling.stop_token_ids == [3, 4]
+    assert cfg.model.size == "demo"
+    assert parse_args(RLJob.Config, ["--checkpoint.resume", "false"]).config.checkpoint.resume is False
+
+
+def test_print_config_round_trips_to_an_equal_config(tmp_path):
+    cfg = parse_args(RLJob.Config, ["--loop.num_steps", "7", "--sampling.stop_token_ids", "9"]).config
+    text = config_to_toml(cfg)
+    assert config_from_toml_text(RLJob.Config, text) == cfg
+    # and through a file, as a user would do it
+    again = parse_args(RLJob.Config, ["--config", _write(tmp_path, text)]).config
+    assert again == cfg
+
+
+def test_python_composition_with_replace():
+    base = RLJob.Config()
+    cfg = dataclasses.replace(base, loop=dataclasses.replace(base.loop, num_steps=2), seed=3)
+    assert cfg.loop.num_steps == 2 and cfg.seed == 3 and base.loop.num_steps != 2
+    assert apply_overrides(cfg, {"loop.group_size": 4}).loop.group_size == 4
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--loop.num_step", "3"], "unknown config key 'loop.num_step' (command line); did you mean 'loop.num_steps'?"),
+        (["--loop.num_steps", "abc"], "loop.num_steps: expected int, got 'abc'"),
+        (["--checkpoint.resume", "maybe"], "checkpoint.resume: expected bool (true/false), got 'maybe'"),
+        (["--model.size", "huge"], "model.size: expected one of 'tiny', 'demo', 'small', got 'huge'"),
+        (["--loop.group_size", "1"], "loop: group_size must be >= 2 (GRPO needs siblings to compare), got 1"),
+        (["--config", "/nonexistent/run.toml"], "config file not found: /nonexistent/run.toml"),
+        (["stray"], "unexpected command-line argument 'stray'"),
+    ],
+)
+def test_cli_errors_name_the_key(argv, message):
+    with pytest.raises(ConfigError) as e:
+        parse_args(RLJob.Config, argv)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[loop]\nnum_stepz = 3\n", "unknown config key 'loop.num_stepz'; did you mean 'loop.num_steps'?"),
+        ("[loop]\nnum_steps = \"3\"\n", "loop.num_steps: expected int, got '3' (str)"),
+        ("[loop]\nnum_steps = true\n", "loop.num_steps: expected int, got True (bool)"),
+        ("loop = 3\n", "loop: expected a table for LoopConfig, got 3 (int)"),
+        ("[sampling]\nstop_token_ids = [1, \"x\"]\n", "sampling.stop_token_ids[1]: expected int, got 'x' (str)"),
+    ],
+)
+def test_toml_errors_name_the_dotted_key(tmp_path, text, message):
+    with pytest.raises(ConfigError) as e:
+        parse_args(RLJob.Config, ["--config", _write(tmp_path, text)])
+    assert str(e.value) == message
+
+
+def test_malformed_toml_names_file_and_line(tmp_path):
+    path = _write(tmp_path, "name = \"x\"\n[loop\nnum_steps = 3\n")
+    with pytest.raises(ConfigError) as e:
+        parse_args(RLJob.Config, ["--config", path])
+    assert str(e.value).startswith(f"{path}:2:")
+    assert "invalid TOML" in str(e.value)
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torchtitan_rl.train", *args],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_cli_print_config_exits_zero_with_loadable_toml():
+    proc = _run_cli("--config", "run_configs/alphabet_sort_cpu.toml", "--print-config")
+    assert proc.returncode == 0, proc.stderr
+    assert config_from_toml_text(RLJob.Config, proc.stdout) == _resolve_from_root(
+        ["--config", "run_configs/alphabet_sort_cpu.toml"]
+    )
+
+
+def _resolve_from_root(argv: list[str]) -> RLJob.Config:
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(REPO_ROOT)
+    try:
+        return parse_args(RLJob.Config, argv).config
+    finally:
+        os.chdir(cwd)
+
+
+def test_cli_unknown_key_exits_2_with_one_line():
+    proc = _run_cli("--no_such.key", "1")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no_such.key" in lines[0] and "Traceback" not in proc.stderr

@@ -1,0 +1,66 @@
+"""Tiny end-to-end job configs for the controller tests (real vLLM, torchtitan and Monarch)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from torchtitan_rl.controller.job import CheckpointConfig, LoopConfig, RLJob
+from torchtitan_rl.controller.model_source import ModelSource
+from torchtitan_rl.controller.validation import Validator
+from torchtitan_rl.generator.generator import Generator
+from torchtitan_rl.rollout.recorder import RolloutRecorder
+from torchtitan_rl.rollout.rollouter import Rollouter
+from torchtitan_rl.trainer.batcher import Batcher
+from torchtitan_rl.trainer.core import OptimizerConfig
+from torchtitan_rl.trainer.loss import GRPOLoss
+from torchtitan_rl.trainer.trainer import PolicyTrainer
+from torchtitan_rl.types import Sampling
+
+from tests.controller.letter_task import LetterTask
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def tiny_job(output_dir: pathlib.Path, name: str, *, num_steps: int = 3,
+             mode: str = "sync", **loop_kwargs) -> RLJob.Config:
+    """Three short single-turn GRPO steps on the tiny model; bit-reproducible on CPU (the PPO
+    ratio is taken against the trainer's own logprobs, see GRPOLoss.ratio_reference)."""
+    return RLJob.Config(
+        name=name,
+        output_dir=str(output_dir),
+        seed=0,
+        model=ModelSource.Config(size="tiny", assets_dir=str(REPO_ROOT / "assets" / "models")),
+        task=LetterTask.Config(),  # type: ignore[arg-type]  (any task with dataset/make_env)
+        rollouter=Rollouter.Config(group_size=4, max_rollout_tokens=96),
+        sampling=Sampling(max_tokens=12),
+        generator=Generator.Config(max_model_len=128, kv_cache_bytes=32 << 20),
+        batcher=Batcher.Config(seq_len=96),
+        trainer=PolicyTrainer.Config(
+            optimizer=OptimizerConfig(lr=1e-2),
+            loss=GRPOLoss.Config(ratio_reference="trainer"),
+            num_threads=1,
+        ),
+        loop=LoopConfig(num_steps=num_steps, prompts_per_step=2, mode=mode, **loop_kwargs),
+        validation=Validator.Config(num_prompts=2),
+        checkpoint=CheckpointConfig(every_steps=1),
+        recorder=RolloutRecorder.Config(every_k_steps=1),
+    )
+
+
+def read_metrics(run_dir: pathlib.Path) -> dict[int, dict[str, float]]:
+    """metrics.jsonl as {step: merged metrics} (later lines of a step win, as after a resume)."""
+    by_step: dict[int, dict[str, float]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        by_step.setdefault(record.pop("step"), {}).update(record)
+    return by_step
+
+
+def read_hf_weights(directory: pathlib.Path) -> dict:
+    from safetensors.torch import load_file
+
+    weights = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        weights.update(load_file(file))
+    return weights

@@ -1,0 +1,44 @@
+"""A single-turn task on which even a random tiny model gets a reward with spread, so short
+end-to-end runs really train: reward = share of the reply's letters that are in a..m.
+
+It plugs into RLJob.Config.task by Python composition (anything with dataset(split) and
+make_env(spec) works there); it is a test fixture, not an example.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.rollout.message_env import EnvStep, Message, MessageEnv
+
+
+class LetterEnv(MessageEnv):
+    def __init__(self, prompt: str) -> None:
+        self.prompt = prompt
+
+    async def init(self) -> list[Message]:
+        return [{"role": "user", "content": self.prompt}]
+
+    async def step(self, assistant_message: Message) -> EnvStep:
+        return EnvStep(done=True)
+
+    def score(self, replies: list[str], reward_parts: list[dict[str, float]]) -> float:
+        letters = [c for c in "".join(replies).lower() if c.isalpha()]
+        return sum(c <= "m" for c in letters) / len(letters) if letters else 0.0
+
+
+class LetterTask(Configurable):
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        num_prompts: int = 64
+        system_prompt: str | None = None
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def dataset(self, split: str) -> list[str]:
+        return [f"Write words, {split} prompt {i}:" for i in range(self.config.num_prompts)]
+
+    def make_env(self, prompt: str) -> LetterEnv:
+        return LetterEnv(prompt)

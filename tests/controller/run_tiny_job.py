@@ -1,0 +1,41 @@
+"""Run a tiny job in its own process (for tests that kill it): python -m tests.controller.run_tiny_job
+OUTPUT_DIR NAME MODE NUM_STEPS [--resume] [--num-prompts N] [--staleness S]."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import pathlib
+
+from torchtitan_rl.controller.async_loop import AsyncLoop
+from torchtitan_rl.controller.staleness import StalenessGate
+from torchtitan_rl.train import main
+
+from tests.controller.jobs import tiny_job
+from tests.controller.letter_task import LetterTask
+
+
+def run(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("output_dir", type=pathlib.Path)
+    parser.add_argument("name")
+    parser.add_argument("mode", choices=["sync", "async"])
+    parser.add_argument("num_steps", type=int)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--staleness", type=int, default=1)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    config = tiny_job(args.output_dir, args.name, num_steps=args.num_steps, mode=args.mode)
+    config = dataclasses.replace(
+        config,
+        task=LetterTask.Config(num_prompts=args.num_prompts),
+        checkpoint=dataclasses.replace(config.checkpoint, resume=args.resume),
+        async_loop=AsyncLoop.Config(staleness=StalenessGate.Config(max_staleness=args.staleness)),
+    )
+    main(config)
+
+
+if __name__ == "__main__":
+    run()

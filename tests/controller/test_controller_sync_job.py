@@ -1,0 +1,126 @@
+"""The synchronous job end to end (Monarch meshes, vLLM generator, torchtitan trainer): a 3-step run
+leaves finite metrics, TensorBoard scalars and checkpoints; resuming from step 2 repeats step 3 bit
+for bit; cross-field config errors are one line each."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.config.manager import parse_args
+from torchtitan_rl.controller.job import RLJob, check_job
+from torchtitan_rl.train import main
+
+from tests.controller.jobs import REPO_ROOT, read_hf_weights, read_metrics, tiny_job
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    summary = main(tiny_job(out, "full"))
+    return out / "full", summary
+
+
+def test_three_step_sync_run_logs_finite_metrics_tensorboard_and_checkpoints(uninterrupted_run):
+    run_dir, summary = uninterrupted_run
+    assert summary["steps"] == 3
+    assert summary["reward_before"] is not None and summary["reward_after"] is not None
+    metrics = read_metrics(run_dir)
+    for step in range(3):
+        for key in ("loss/value", "loss/ratio_mean", "loss/clipped_frac", "rollout_reward/mean",
+                    "rollout_reward/std", "rollout/num_turns", "batcher/pct_pad_in_batch",
+                    "time/generate_s", "time/train_s", "time/sync_s",
+                    "throughput/generated_tokens_per_s", "trainer/grad_norm"):
+            assert key in metrics[step], (step, key)
+            assert math.isfinite(metrics[step][key]), (step, key, metrics[step][key])
+    assert metrics[0]["loss/num_valid_tokens"] > 0  # the tiny model really trained
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    assert {"loss/value", "rollout_reward/mean", "validation/reward_mean"} <= scalars
+    assert [e.step for e in events.Scalars("loss/value")] == [0, 1, 2]
+
+    for step in (1, 2, 3):
+        checkpoint = run_dir / "checkpoints" / f"step-{step:06d}"
+        assert (checkpoint / "controller.json").is_file()
+        assert json.loads((checkpoint / "controller.json").read_text())["step"] == step
+    assert (run_dir / "hf" / "config.json").is_file()
+    assert (run_dir / "reward_curve.png").stat().st_size > 0
+    assert (run_dir / "rollouts" / "rollouts.jsonl").read_text().count("\n") == 3 * 2 * 4
+
+
+def test_resume_from_step_two_repeats_step_three_bit_for_bit(uninterrupted_run, tmp_path):
+    full_dir, _ = uninterrupted_run
+    first = tiny_job(tmp_path, "resumed", num_steps=2)
+    main(first)
+    resumed = dataclasses.replace(
+        first, loop=dataclasses.replace(first.loop, num_steps=3),
+        checkpoint=dataclasses.replace(first.checkpoint, resume=True),
+    )
+    summary = main(resumed)
+    assert summary["steps"] == 3
+    full, again = read_metrics(full_dir), read_metrics(tmp_path / "resumed")
+    for key in ("loss/value", "trainer/grad_norm", "rollout_reward/mean", "loss/num_valid_tokens"):
+        assert again[2][key] == full[2][key], key  # exact, not approximate
+    final_full = read_hf_weights(full_dir / "hf")
+    final_again = read_hf_weights(tmp_path / "resumed" / "hf")
+    assert final_full.keys() == final_again.keys()
+    for name in final_full:
+        assert torch.equal(final_full[name], final_again[name]), name
+    # and training did move the weights
+    start = read_hf_weights(REPO_ROOT / "assets" / "models" / "tiny")
+    assert any(not torch.equal(start[n], final_full[n]) for n in final_full if n in start)
+
+
+def _config(*argv: str) -> RLJob.Config:
+    return parse_args(RLJob.Config, ["--model.size", "tiny", *argv]).config
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--generator.tensor_parallel_degree", "4"],
+     "generator.tensor_parallel_degree=4 must divide the model's attention heads (2) and kv heads (1)"),
+    (["--trainer.tensor_parallel_degree", "2", "--num_trainer_ranks", "2"],
+     "trainer.tensor_parallel_degree=2 must divide the model's attention heads (2) and kv heads (1)"),
+    (["--num_trainer_ranks", "3", "--trainer.data_parallel_shard_degree", "2"],
+     "num_trainer_ranks=3 must equal trainer.data_parallel_shard_degree (2)"),
+    (["--batcher.seq_len", "100", "--rollouter.max_rollout_tokens", "200"],
+     "batcher.seq_len=100 is shorter than a rollout can be"),
+    (["--rollouter.max_rollout_tokens", "4096"],
+     "rollouter.max_rollout_tokens=4096 exceeds generator.max_model_len=2048"),
+    (["--sampling.max_tokens", "600", "--rollouter.max_rollout_tokens", "512"],
+     "sampling.max_tokens=600 leaves no room for the prompt"),
+    (["--loop.partial_rollout", "abort"], "loop.partial_rollout='abort' needs loop.mode='async'"),
+])
+def test_cross_field_errors_name_the_fields(tiny_model_dir, argv, message):
+    with pytest.raises(ConfigError) as e:
+        check_job(_config(*argv), tiny_model_dir)
+    assert str(e.value).startswith(message)
+    assert "\n" not in str(e.value)
+
+
+def test_group_size_below_two_is_rejected_before_anything_runs():
+    with pytest.raises(ConfigError, match=r"rollouter.group_size must be >= 2 .*got 1"):
+        _config("--rollouter.group_size", "1")
+
+
+def test_missing_model_directory_exits_2_with_one_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtitan_rl.train", "--model.path", str(tmp_path / "nope"),
+         "--output_dir", str(tmp_path)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: model.path: {tmp_path / 'nope'} is not an HF model directory "
+                      "(no config.json)"]
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,98 @@
+"""Shared set-up for the generator tests: the tiny model's config, engines, loops, raw-engine runs."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import pathlib
+import shutil
+from typing import Any
+
+import torch
+
+from torchtitan_rl.generator import EngineLoop, Generator, StepStats, WeightLoader
+from torchtitan_rl.types import Sampling
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def tiny_dir() -> pathlib.Path:
+    from torchtitan_rl.assets.make_model import ensure_model
+
+    return ensure_model("tiny", REPO_ROOT / "assets" / "models")
+
+
+def tiny_config(**overrides: Any) -> Generator.Config:
+    fields: dict[str, Any] = dict(
+        model_dir=str(tiny_dir()), max_model_len=512, kv_cache_bytes=64 << 20,
+        max_engine_steps_between_decisions=4,
+    )
+    fields.update(overrides)
+    return Generator.Config(**fields)
+
+
+def build_engine(config: Generator.Config) -> Any:
+    from torchtitan_rl.generator.vllm_engine import build_engine as build
+
+    return build(config)
+
+
+def new_loop(engine: Any, config: Generator.Config, *, steps: list[StepStats] | None = None,
+             **overrides: Any) -> EngineLoop:
+    """An EngineLoop over an existing engine, started on the running event loop."""
+    loader = WeightLoader(config.model_dir)  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = dict(
+        prepare_weights=loader.prepare,
+        load_weights=loader.load,
+        weight_sync=config.weight_sync,
+        max_engine_steps_between_decisions=config.max_engine_steps_between_decisions,
+        default_sampling=config.sampling,
+        on_step=steps.append if steps is not None else None,
+    )
+    kwargs.update(overrides)
+    loop = EngineLoop(engine, **kwargs)
+    loop.start()
+    return loop
+
+
+def run(coro: Any, timeout_s: float = 120.0) -> Any:
+    async def bounded() -> Any:
+        return await asyncio.wait_for(coro, timeout_s)
+
+    return asyncio.run(bounded())
+
+
+def raw_generate(engine: Any, requests: list[tuple[str, list[int], Sampling]]) -> dict[str, Any]:
+    """All requests added up front to the bare engine, stepped to the end: request id -> output."""
+    from torchtitan_rl.generator.loop_decision import EngineRequest
+    from torchtitan_rl.generator.vllm_engine import add_request
+
+    for rid, prompt, sampling in requests:
+        add_request(engine, EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling))
+    outputs: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output.outputs[0]
+    return outputs
+
+
+def greedy(max_tokens: int) -> Sampling:
+    return Sampling(max_tokens=max_tokens, temperature=0.0)
+
+
+def perturbed_model_dir(source: pathlib.Path, out: pathlib.Path, *, seed: int = 1,
+                        scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """Copy ``source`` to ``out`` with every weight perturbed; returns the new HF state dict."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, out)
+    generator = torch.Generator().manual_seed(seed)
+    weights = load_file(str(source / "model.safetensors"))
+    new = {k: v + scale * torch.randn(v.shape, generator=generator) for k, v in weights.items()}
+    save_file(new, str(out / "model.safetensors"))
+    return new
+
+
+def replace(config: Generator.Config, **changes: Any) -> Generator.Config:
+    return dataclasses.replace(config, **changes)

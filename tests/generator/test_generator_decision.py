@@ -1,0 +1,138 @@
+"""The engine loop's decision rule and the generator configs: pure logic, no vLLM."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchtitan_rl.generator import Generator, LoopAction, LoopInbox, WeightSyncPolicy
+from torchtitan_rl.generator.loop_decision import EngineRequest
+from torchtitan_rl.types import Sampling
+
+
+def _request(rid: str) -> EngineRequest:
+    return EngineRequest(request_id=rid, prompt_token_ids=[5, 6], sampling=Sampling())
+
+
+def _admit(inbox: LoopInbox, *rids: str) -> None:
+    for rid in rids:
+        inbox.submit(_request(rid))
+    decision = inbox.decide()
+    assert decision is not None and decision.action is LoopAction.STEP
+    assert [r.request_id for r in decision.requests] == list(rids)
+
+
+def test_idle_inbox_decides_nothing() -> None:
+    assert LoopInbox(drain_before_pull=False).decide() is None
+
+
+def test_step_admits_queued_requests_in_fcfs_order_then_keeps_stepping_them() -> None:
+    inbox = LoopInbox(drain_before_pull=False)
+    _admit(inbox, "b", "a", "c")
+    again = inbox.decide()
+    assert again is not None and again.action is LoopAction.STEP and again.requests == []
+    for rid in ("b", "a", "c"):
+        inbox.on_left_engine(rid)
+    assert inbox.decide() is None
+
+
+def test_priority_is_close_then_pull_then_abort_then_step() -> None:
+    inbox = LoopInbox(drain_before_pull=False)
+    _admit(inbox, "running")
+    inbox.submit(_request("queued"))
+    inbox.request_abort(["running"])
+    inbox.request_pull(1, current_version=0)
+    inbox.request_close()
+    close = inbox.decide()
+    assert close is not None and close.action is LoopAction.CLOSE
+    assert close.abort_request_ids == ["running"]
+    inbox.close_requested = False
+    pull = inbox.decide()
+    assert pull is not None and (pull.action, pull.pull_version) == (LoopAction.PULL, 1)
+    abort = inbox.decide()
+    assert abort is not None and abort.action is LoopAction.ABORT
+    assert abort.abort_request_ids == ["running"]
+    step = inbox.decide()
+    assert step is not None and step.action is LoopAction.STEP
+    assert [r.request_id for r in step.requests] == ["queued"]
+
+
+def test_drain_stops_admission_until_running_requests_finish_then_pulls() -> None:
+    inbox = LoopInbox(drain_before_pull=True)
+    _admit(inbox, "running")
+    inbox.request_pull(3, current_version=2)
+    inbox.submit(_request("waiting"))
+    assert inbox.draining
+    step = inbox.decide()
+    assert step is not None and step.action is LoopAction.STEP and step.requests == []
+    inbox.on_left_engine("running")
+    pull = inbox.decide()
+    assert pull is not None and (pull.action, pull.pull_version) == (LoopAction.PULL, 3)
+    assert not inbox.draining
+    step = inbox.decide()
+    assert step is not None and [r.request_id for r in step.requests] == ["waiting"]
+
+
+def test_hot_swap_pulls_while_requests_run() -> None:
+    inbox = LoopInbox(drain_before_pull=False)
+    _admit(inbox, "running")
+    inbox.request_pull(1, current_version=0)
+    pull = inbox.decide()
+    assert pull is not None and pull.action is LoopAction.PULL
+    assert list(inbox.in_engine) == ["running"]
+
+
+def test_abort_removes_queued_requests_and_marks_running_ones() -> None:
+    inbox = LoopInbox(drain_before_pull=False)
+    _admit(inbox, "running", "done")
+    inbox.submit(_request("queued"))
+    removed, marked = inbox.request_abort(["queued", "running", "done", "unknown"])
+    assert [r.request_id for r in removed] == ["queued"]
+    assert marked == ["running", "done"]
+    inbox.on_left_engine("done")  # finished before the abort decision: nothing to abort
+    abort = inbox.decide()
+    assert abort is not None and abort.abort_request_ids == ["running"]
+    assert inbox.decide() is None
+
+
+def test_abort_all_covers_queued_and_running() -> None:
+    inbox = LoopInbox(drain_before_pull=False)
+    _admit(inbox, "running")
+    inbox.submit(_request("queued"))
+    removed, marked = inbox.request_abort(None)
+    assert [r.request_id for r in removed] == ["queued"] and marked == ["running"]
+
+
+def test_duplicate_request_ids_and_stale_pull_versions_are_refused() -> None:
+    inbox = LoopInbox(drain_before_pull=False)
+    _admit(inbox, "a")
+    with pytest.raises(ValueError, match="'a' is already in flight"):
+        inbox.submit(_request("a"))
+    inbox.request_pull(5, current_version=4)
+    with pytest.raises(ValueError, match="must be > 5"):
+        inbox.request_pull(5, current_version=4)
+    with pytest.raises(ValueError, match="must be > 4"):
+        LoopInbox(drain_before_pull=False).request_pull(4, current_version=4)
+
+
+def test_weight_sync_policy_rejects_invalid_combinations_in_one_line() -> None:
+    with pytest.raises(ValueError) as info:
+        WeightSyncPolicy(reset_prefix_cache=False, reset_running_requests=True)
+    assert "reset_running_requests" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        WeightSyncPolicy(mode="later")  # type: ignore[arg-type]
+    assert WeightSyncPolicy(mode="drain").drain_before_pull
+    WeightSyncPolicy(reset_prefix_cache=False, reset_running_requests=False)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("tensor_parallel_degree", 0, "tensor_parallel_degree must be >= 1, got 0"),
+        ("max_engine_steps_between_decisions", 0, "max_engine_steps_between_decisions must be"),
+        ("kv_cache_bytes", -1, "kv_cache_bytes must be >= 1, got -1"),
+        ("torch_num_threads", 0, "torch_num_threads must be >= 1 or None, got 0"),
+    ],
+)
+def test_generator_config_names_the_bad_field(field: str, value: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Generator.Config(**{field: value})

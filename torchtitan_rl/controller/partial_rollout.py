@@ -1,0 +1,83 @@
+"""Partial rollouts: a request aborted by a weight pull is resumed, not thrown away.
+
+With ``partial_rollout = "abort"`` the generators abort their running requests when they pull new
+weights. This `GenerateFn` wrapper resubmits each aborted request as prompt + the tokens generated so
+far, with the remaining token budget, and joins the pieces into one `Completion` that keeps every
+token's logprob and policy version (older tokens keep the version that sampled them). The resumed
+piece gets a seed derived from the request's seed and the attempt, so runs stay reproducible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from torchtitan_rl.rollout.types import GenerateFn
+from torchtitan_rl.types import Completion, CompletionMetrics, Sampling
+
+logger = logging.getLogger(__name__)
+
+
+class ResumingGenerateFn:
+    def __init__(self, inner: GenerateFn, *, max_resumes: int = 16) -> None:
+        self.inner = inner
+        self.max_resumes = max_resumes
+        self.num_resumed = 0
+        """Requests resubmitted after an abort, over the wrapper's lifetime."""
+
+    async def __call__(
+        self,
+        prompt_token_ids: list[int],
+        *,
+        request_id: str,
+        session_id: str | None = None,
+        sampling: Sampling | None = None,
+    ) -> Completion | None:
+        sampling = sampling or Sampling()
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        metrics = CompletionMetrics()
+        for attempt in range(self.max_resumes + 1):
+            piece_sampling = sampling
+            if attempt:
+                piece_sampling = dataclasses.replace(
+                    sampling,
+                    max_tokens=sampling.max_tokens - len(tokens),
+                    seed=None if sampling.seed is None else sampling.seed * 1_000_003 + attempt,
+                )
+            piece = await self.inner(
+                prompt_token_ids + tokens,
+                request_id=request_id if attempt == 0 else f"{request_id}/resume={attempt}",
+                session_id=session_id,
+                sampling=piece_sampling,
+            )
+            if piece is None:
+                return None
+            tokens += piece.token_ids
+            logprobs += piece.token_logprobs
+            versions += piece.token_policy_versions
+            if attempt == 0:
+                metrics = dataclasses.replace(piece.metrics)
+            metrics.generation_time_s += piece.metrics.generation_time_s if attempt else 0.0
+            metrics.num_output_tokens = len(tokens)
+            metrics.num_inflight_requests = piece.metrics.num_inflight_requests
+            finished = piece.finish_reason != "abort" or len(tokens) >= sampling.max_tokens
+            if finished:
+                reason = piece.finish_reason
+                if reason == "abort" and len(tokens) >= sampling.max_tokens:
+                    reason = "length"
+                return Completion(
+                    request_id=request_id, prompt_token_ids=prompt_token_ids, token_ids=tokens,
+                    token_logprobs=logprobs, token_policy_versions=versions,
+                    finish_reason=reason, metrics=metrics,
+                )
+            self.num_resumed += 1
+            logger.debug("resuming %s after abort with %d tokens", request_id, len(tokens))
+        logger.warning("request %s aborted %d times: returning it as aborted", request_id,
+                       self.max_resumes + 1)
+        return Completion(
+            request_id=request_id, prompt_token_ids=prompt_token_ids, token_ids=tokens,
+            token_logprobs=logprobs, token_policy_versions=versions, finish_reason="abort",
+            metrics=metrics,
+        )

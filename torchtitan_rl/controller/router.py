@@ -1,0 +1,102 @@
+"""Routing requests over N generator meshes, behind the same `GenerateFn` the rollout code calls.
+
+Strategies:
+- ``round_robin``: generators in turn.
+- ``least_loaded``: the generator with the fewest requests in flight (ties: fewest routed so far).
+- ``sticky_session``: every turn of a rollout (same session id) goes to the generator that served
+  its first turn, so its prefix stays in that engine's KV cache; an LRU map bounds the sessions
+  kept. While a generator syncs weights, new sessions avoid it and its sessions are re-pinned to
+  the least-loaded generator that is not syncing.
+
+A generator that raises fails the request with that error (the run stops with a clear message);
+the router never retries silently.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Literal
+
+from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.rollout.types import GenerateFn
+from torchtitan_rl.types import Completion, Sampling
+
+logger = logging.getLogger(__name__)
+
+
+class GeneratorRouter(Configurable):
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        strategy: Literal["round_robin", "least_loaded", "sticky_session"] = "sticky_session"
+        max_sessions: int = 100_000
+        """Sticky sessions remembered (least recently used are forgotten first)."""
+
+        def __post_init__(self) -> None:
+            if self.max_sessions < 1:
+                raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
+
+    def __init__(self, config: Config, *, generators: Sequence[GenerateFn]) -> None:
+        if not generators:
+            raise ValueError("the router needs at least one generator")
+        self.config = config
+        self.generators = list(generators)
+        self.inflight_requests = [0] * len(generators)
+        self.num_routed = [0] * len(generators)
+        self._syncing: set[int] = set()
+        self._round_robin = itertools.cycle(range(len(generators)))
+        self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    # ---- choosing ------------------------------------------------------------------------------
+    def pick(self, session_id: str | None) -> int:
+        strategy = self.config.strategy
+        if strategy == "round_robin":
+            return next(self._round_robin)
+        if strategy == "least_loaded" or session_id is None:
+            return self._least_loaded()
+        index = self._sessions.get(session_id)
+        if index is None or index in self._syncing:
+            index = self._least_loaded()
+        self._sessions[session_id] = index
+        self._sessions.move_to_end(session_id)
+        while len(self._sessions) > self.config.max_sessions:
+            self._sessions.popitem(last=False)
+        return index
+
+    def _least_loaded(self) -> int:
+        available = [i for i in range(len(self.generators)) if i not in self._syncing]
+        pool = available or list(range(len(self.generators)))
+        return min(pool, key=lambda i: (self.inflight_requests[i], self.num_routed[i], i))
+
+    def set_syncing(self, index: int, syncing: bool) -> None:
+        """Mark a generator as pulling weights (sticky sessions move off it meanwhile)."""
+        (self._syncing.add if syncing else self._syncing.discard)(index)
+
+    def forget_session(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    # ---- the GenerateFn ------------------------------------------------------------------------
+    async def __call__(
+        self,
+        prompt_token_ids: list[int],
+        *,
+        request_id: str,
+        session_id: str | None = None,
+        sampling: Sampling | None = None,
+    ) -> Completion | None:
+        index = self.pick(session_id)
+        self.inflight_requests[index] += 1
+        self.num_routed[index] += 1
+        logger.debug("route %s (session %s) -> generator %d", request_id, session_id, index)
+        try:
+            return await self.generators[index](
+                prompt_token_ids, request_id=request_id, session_id=session_id, sampling=sampling
+            )
+        finally:
+            self.inflight_requests[index] -= 1
+
+    def metrics(self) -> dict[str, float]:
+        return {f"router/generator_{i}/num_routed": float(n) for i, n in enumerate(self.num_routed)}

@@ -1,0 +1,81 @@
+"""Held-out validation: the mean reward (with its standard error) on the validation split.
+
+Runs through the same Rollouter and GenerateFn as training, so it measures exactly what the policy
+does in the loop; greedy by default. Validation group ids start at `VALIDATION_GROUP_OFFSET` so
+their request ids never collide with training groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.rollout.rollouter import Rollouter
+from torchtitan_rl.rollout.types import GenerateFn, RolloutGroup
+from torchtitan_rl.types import Sampling
+
+VALIDATION_GROUP_OFFSET = 1 << 40
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ValidationResult:
+    reward_mean: float
+    reward_stderr: float
+    num_rollouts: int
+
+    def metrics(self, prefix: str = "validation") -> dict[str, float]:
+        return {f"{prefix}/reward_mean": self.reward_mean,
+                f"{prefix}/reward_stderr": self.reward_stderr}
+
+
+class Validator(Configurable):
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        num_prompts: int = 64
+        """Validation episodes per pass; 0 disables validation."""
+        samples_per_prompt: int = 1
+        """Rollouts per episode (more than 1 only makes sense with temperature > 0)."""
+        temperature: float = 0.0
+        """0 = greedy."""
+        every_steps: int = 0
+        """Also validate every this many steps; 0 = only before the first and after the last."""
+
+        def __post_init__(self) -> None:
+            for name in ("num_prompts", "every_steps"):
+                if getattr(self, name) < 0:
+                    raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+            if self.samples_per_prompt < 1:
+                raise ValueError(f"samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
+
+    def __init__(self, config: Config, *, rollouter: Rollouter, dataset: Sequence[Any]) -> None:
+        self.config = config
+        self.rollouter = rollouter
+        self.dataset = dataset
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.num_prompts > 0
+
+    def due(self, step: int) -> bool:
+        return self.enabled and self.config.every_steps > 0 and step % self.config.every_steps == 0
+
+    async def run(self, generate_fn: GenerateFn, sampling: Sampling) -> ValidationResult:
+        cfg = self.config
+        num = min(cfg.num_prompts, len(self.dataset))
+        sampling = dataclasses.replace(sampling, temperature=cfg.temperature)
+        groups: list[RolloutGroup] = await asyncio.gather(*(
+            self.rollouter.run_group_rollouts(
+                generate_fn, self.dataset[i], VALIDATION_GROUP_OFFSET + i,
+                cfg.samples_per_prompt, sampling,
+            )
+            for i in range(num)
+        ))
+        rewards = [r for g in groups for r in g.rewards]
+        mean = statistics.fmean(rewards) if rewards else float("nan")
+        stderr = statistics.stdev(rewards) / math.sqrt(len(rewards)) if len(rewards) > 1 else 0.0
+        return ValidationResult(reward_mean=mean, reward_stderr=stderr, num_rollouts=len(rewards))

@@ -1,0 +1,29 @@
+"""vLLM generation behind a Monarch actor: continuous batching, weight pulls, aborts.
+
+Public API:
+    Generator (actor, Generator.Config), WeightSyncPolicy
+    spawn_generator(config, *, name="generator", host=None) -> GeneratorHandle   (Monarch)
+    start_engine_loop(config, *, on_step=None, wrap_engine=None) -> EngineLoop   (in-process)
+    EngineLoop, StepStats, LoopInbox, LoopAction, LoopDecision, WeightLoader
+"""
+
+from torchtitan_rl.generator.config import WeightSyncPolicy
+from torchtitan_rl.generator.engine_loop import EngineLoop, StepStats
+from torchtitan_rl.generator.generator import Generator, start_engine_loop
+from torchtitan_rl.generator.launch import GeneratorHandle, spawn_generator
+from torchtitan_rl.generator.loop_decision import LoopAction, LoopDecision, LoopInbox
+from torchtitan_rl.generator.weight_loader import WeightLoader
+
+__all__ = [
+    "EngineLoop",
+    "Generator",
+    "GeneratorHandle",
+    "LoopAction",
+    "LoopDecision",
+    "LoopInbox",
+    "StepStats",
+    "WeightLoader",
+    "WeightSyncPolicy",
+    "spawn_generator",
+    "start_engine_loop",
+]

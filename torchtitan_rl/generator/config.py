@@ -1,0 +1,44 @@
+"""How a generator swaps in new weights: the weight-sync policy (a plain config dataclass)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+WEIGHT_SYNC_MODES = ("hot_swap", "drain")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class WeightSyncPolicy:
+    """What happens to running requests when a weight pull arrives.
+
+    ``hot_swap``: the pull is applied between two engine steps; running requests continue and every
+    output token records the policy version that sampled it. ``drain``: admission stops, running
+    requests finish, then the pull is applied and admission resumes.
+    """
+
+    mode: Literal["hot_swap", "drain"] = "hot_swap"
+    """'hot_swap' (pull between steps, requests keep running) or 'drain' (finish them first)."""
+    reset_prefix_cache: bool = True
+    """Drop the prefix cache at each pull, so no new request reuses KV computed by old weights.
+    vLLM can only drop blocks no running request holds: under hot swap without
+    ``reset_running_requests`` the running requests' blocks stay cached."""
+    reset_running_requests: bool = True
+    """At a hot-swap pull, preempt the running requests so their KV is recomputed with the new
+    weights (tokens after the pull are then exactly what the new weights give for prompt + tokens
+    so far). Needs ``reset_prefix_cache``; no effect under ``drain`` (nothing runs at the pull)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in WEIGHT_SYNC_MODES:
+            raise ValueError(
+                f"weight_sync.mode must be one of {WEIGHT_SYNC_MODES}, got {self.mode!r}"
+            )
+        if self.reset_running_requests and not self.reset_prefix_cache:
+            raise ValueError(
+                "weight_sync.reset_running_requests=True needs weight_sync.reset_prefix_cache=True "
+                "(vLLM resets running requests as part of a cache reset), got False"
+            )
+
+    @property
+    def drain_before_pull(self) -> bool:
+        return self.mode == "drain"

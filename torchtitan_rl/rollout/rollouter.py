@@ -1,0 +1,234 @@
+"""Rollouter: one episode spec -> a scored RolloutGroup of concurrent sibling rollouts.
+
+    controller --run_group_rollouts(generate_fn, sample, group_id, ...)--> Rollouter
+    Rollouter: group_size x run_single_rollout, concurrently (one TaskGroup):
+        make_env(sample) -> TokenEnv.reset() -> [generate_fn(prompt ids) -> TokenEnv.step()] x turns
+        -> MessageEnv.score(replies, reward parts) -> close()
+    Rollouter: group_advantages(rewards) -> RolloutGroup (dropped when it carries no signal)
+
+Reproducibility: each request's seed is a hash of (base seed, group_id, rollout index, turn), never a
+draw from a shared RNG, so a group's tokens do not depend on what else runs or in which order.
+Failure: an env that raises or times out ends its own rollout (ERROR_ENV / ERROR_TIMEOUT) and its
+siblings carry on; a generate_fn that raises fails the whole group (siblings are cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.rollout.advantage import group_advantages
+from torchtitan_rl.rollout.message_env import MessageEnv
+from torchtitan_rl.rollout.token_env import TokenEnv
+from torchtitan_rl.rollout.types import (
+    GenerateFn,
+    Rollout,
+    RolloutGroup,
+    RolloutStatus,
+    RolloutTurn,
+    request_id,
+    session_id,
+)
+from torchtitan_rl.types import Sampling
+
+logger = logging.getLogger(__name__)
+
+
+def request_seed(base_seed: int, group_id: int, rollout_index: int, turn_index: int) -> int:
+    """A 63-bit seed fixed by (base seed, group, rollout, turn) alone."""
+    key = f"{base_seed}/{group_id}/{rollout_index}/{turn_index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+class Rollouter(Configurable):
+    """Runs rollouts of any MessageEnv against any GenerateFn and scores them.
+
+    Built with ``cfg.build(tokenizer=hf_tokenizer, make_env=task.make_env)``.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        group_size: int = 8
+        """Sibling rollouts per episode (GRPO group), used when run_group_rollouts gets none."""
+        max_turns: int = 8
+        """Cap on assistant turns per rollout; a rollout the env would continue past it ends
+        TRUNCATED_MAX_TURNS."""
+        max_rollout_tokens: int = 512
+        """Budget for a rollout's whole sequence (prompts + completions), in tokens. Each turn's
+        max_tokens is clipped to the room left; a prompt that leaves no room ends the rollout
+        TRUNCATED_LENGTH without a generate call. Keep it <= the generator's max_model_len."""
+        step_timeout_s: float | None = 60.0
+        """Wall-clock limit for one env call (init, step, close), in seconds; None disables."""
+        std_normalize: bool = False
+        """Divide advantages by the group reward std (+1e-6): standard GRPO. False = mean
+        baseline only (Dr. GRPO)."""
+        drop_zero_std_groups: bool = True
+        """Drop (and count) groups whose counted rewards are all equal: zero advantage everywhere."""
+        error_reward: float | None = None
+        """Reward for rollouts that end ERROR_*. None excludes them from the baseline and from
+        training (an infrastructure failure is not a learning signal)."""
+        seed: int = 0
+        """Base of the per-request seeds when the Sampling passed in has seed None."""
+
+        def __post_init__(self) -> None:
+            if self.group_size < 1:
+                raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+            if self.max_turns < 1:
+                raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+            if self.max_rollout_tokens < 2:
+                raise ValueError(
+                    f"max_rollout_tokens must be >= 2, got {self.max_rollout_tokens}"
+                )
+            if self.step_timeout_s is not None and self.step_timeout_s <= 0:
+                raise ValueError(
+                    f"step_timeout_s must be > 0 or None, got {self.step_timeout_s}"
+                )
+
+    def __init__(
+        self, config: Config, *, tokenizer: Any, make_env: Callable[[Any], MessageEnv]
+    ) -> None:
+        self.config = config
+        self._tokenizer = tokenizer
+        self._make_env = make_env
+
+    async def run_group_rollouts(
+        self,
+        generate_fn: GenerateFn,
+        sample: Any,
+        group_id: int,
+        group_size: int | None = None,
+        sampling: Sampling | None = None,
+    ) -> RolloutGroup:
+        """Roll out ``group_size`` siblings of ``sample`` concurrently, score them, and fill their
+        advantages. ``sampling`` applies to every request (seed and max_tokens are set per request).
+        Raises what generate_fn raised (the siblings are cancelled and their envs closed)."""
+        size = self.config.group_size if group_size is None else group_size
+        if size < 1:
+            raise ValueError(f"group_size must be >= 1, got {size}")
+        sampling = sampling if sampling is not None else Sampling()
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                futures = [
+                    tasks.create_task(self.run_single_rollout(
+                        generate_fn, sample, group_id=group_id, rollout_index=i,
+                        sampling=sampling,
+                    ))
+                    for i in range(size)
+                ]
+        except ExceptionGroup as group_error:
+            # The siblings were cancelled; the caller sees the generator's own error, not a wrapper.
+            if len(group_error.exceptions) == 1:
+                raise group_error.exceptions[0] from None
+            raise
+        group = RolloutGroup(group_id=group_id, sample=sample,
+                             rollouts=[f.result() for f in futures])
+        self._fill_advantages(group)
+        return group
+
+    async def run_single_rollout(
+        self,
+        generate_fn: GenerateFn,
+        sample: Any,
+        *,
+        group_id: int,
+        rollout_index: int,
+        sampling: Sampling,
+    ) -> Rollout:
+        """One rollout, scored; its advantage stays None (group-relative, see run_group_rollouts)."""
+        rollout = Rollout(group_id=group_id, rollout_index=rollout_index,
+                          status=RolloutStatus.ERROR_ENV)
+        try:
+            message_env = self._make_env(sample)
+        except Exception as e:  # a bad sample fails its rollouts, not the run
+            logger.warning("make_env failed for group %d", group_id, exc_info=True)
+            rollout.error = f"make_env raised {e!r}"
+            rollout.reward = self._error_reward()
+            return rollout
+        env = TokenEnv(message_env, self._tokenizer, max_turns=self.config.max_turns,
+                       max_rollout_tokens=self.config.max_rollout_tokens,
+                       step_timeout_s=self.config.step_timeout_s)
+        try:
+            await self._drive(env, generate_fn, rollout, sampling)
+        finally:
+            await env.close()
+        self._score(message_env, rollout)
+        return rollout
+
+    # ---- helpers ----
+
+    async def _drive(
+        self, env: TokenEnv, generate_fn: GenerateFn, rollout: Rollout, sampling: Sampling
+    ) -> None:
+        """Alternate generate and env steps until a terminal status; fills rollout in place."""
+        step = await env.reset()
+        base_seed = self.config.seed if sampling.seed is None else sampling.seed
+        while step.status is None:
+            prompt_ids = step.prompt_token_ids
+            assert prompt_ids is not None
+            turn_index = len(rollout.turns)
+            rid = request_id(rollout.group_id, rollout.rollout_index, turn_index)
+            per_request = dataclasses.replace(
+                sampling,
+                max_tokens=env.max_new_tokens(sampling.max_tokens),
+                seed=request_seed(base_seed, rollout.group_id, rollout.rollout_index,
+                                  turn_index),
+            )
+            completion = await generate_fn(
+                list(prompt_ids), request_id=rid,
+                session_id=session_id(rollout.group_id, rollout.rollout_index),
+                sampling=per_request,
+            )
+            next_step = await env.step(completion)
+            if completion is not None:
+                rollout.turns.append(RolloutTurn(
+                    turn_index=turn_index, request_id=rid, prompt_token_ids=list(prompt_ids),
+                    completion_token_ids=list(completion.token_ids),
+                    completion_logprobs=list(completion.token_logprobs),
+                    policy_versions=list(completion.token_policy_versions),
+                    finish_reason=completion.finish_reason,
+                    completion_text=next_step.completion_text,
+                    env_messages=next_step.env_messages,
+                    reward_parts=next_step.reward_parts,
+                    drift=next_step.drift,
+                ))
+            rollout.num_drift_events += int(next_step.drift)
+            step = next_step
+        rollout.status = step.status
+        rollout.error = step.error
+
+    def _score(self, message_env: MessageEnv, rollout: Rollout) -> None:
+        if rollout.status.is_error:
+            rollout.reward = self._error_reward()
+            return
+        try:
+            rollout.reward = float(message_env.score(
+                rollout.replies, [t.reward_parts for t in rollout.turns]
+            ))
+        except Exception as e:
+            logger.warning("%s: score raised", rollout.session_id, exc_info=True)
+            rollout.status = RolloutStatus.ERROR_ENV
+            rollout.error = f"score raised {e!r}"
+            rollout.reward = self._error_reward()
+
+    def _error_reward(self) -> float:
+        return 0.0 if self.config.error_reward is None else self.config.error_reward
+
+    def _fill_advantages(self, group: RolloutGroup) -> None:
+        counted = [not r.status.is_error or self.config.error_reward is not None
+                   for r in group.rollouts]
+        advantages, no_signal = group_advantages(
+            group.rewards, counted, std_normalize=self.config.std_normalize
+        )
+        for rollout, advantage in zip(group.rollouts, advantages, strict=True):
+            rollout.advantage = advantage
+        if no_signal == "all_errored" or (no_signal and self.config.drop_zero_std_groups):
+            group.dropped = True
+            group.drop_reason = no_signal
+            logger.info("group %d dropped: %s (rewards %s)", group.group_id, no_signal,
+                        [round(r, 4) for r in group.rewards])

@@ -1,0 +1,143 @@
+"""The rollout layer's records: group -> rollout -> turn.
+
+    Rollouter --prompt ids--> GenerateFn --Completion--> Rollouter --completion--> TokenEnv
+    one RolloutTurn per generate call; one Rollout per sibling; one RolloutGroup per prompt (episode)
+
+Everything is plain data (lists, not tensors) so a group pickles cheaply across Monarch actors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Protocol
+
+from torchtitan_rl.types import Completion, FinishReason, Sampling
+
+
+class GenerateFn(Protocol):
+    """Generate one completion for a prompt; the rollout code never knows what stands behind it
+    (a generator actor, a router over several, an HTTP endpoint, a plain function in a test).
+
+    ``request_id`` is ``group=G/rollout=R/turn=T`` (unique per call); ``session_id`` is
+    ``group=G/rollout=R`` (the same for every turn of a rollout: a router may pin a session to one
+    generator to reuse its prefix cache). Returns None when the request was dropped or cancelled:
+    the rollout then ends as ERROR_ABORT. An exception is an infrastructure failure: it propagates
+    and fails the whole group.
+    """
+
+    async def __call__(
+        self,
+        prompt_token_ids: list[int],
+        *,
+        request_id: str,
+        session_id: str,
+        sampling: Sampling,
+    ) -> Completion | None: ...
+
+
+class RolloutStatus(enum.StrEnum):
+    """How a rollout ended."""
+
+    COMPLETED = "completed"
+    """The environment said done."""
+    TRUNCATED_LENGTH = "truncated_length"
+    """A completion hit its max_tokens, or the next prompt left no room in the rollout token budget."""
+    TRUNCATED_MAX_TURNS = "truncated_max_turns"
+    """The environment wanted another turn past the turn cap."""
+    ERROR_TIMEOUT = "error_timeout"
+    """An environment call ran past step_timeout_s."""
+    ERROR_ENV = "error_env"
+    """The environment raised (in init, step or scoring)."""
+    ERROR_ABORT = "error_abort"
+    """The generator dropped or aborted the request."""
+
+    @property
+    def is_error(self) -> bool:
+        return self.value.startswith("error_")
+
+
+def request_id(group_id: int, rollout_index: int, turn_index: int) -> str:
+    return f"group={group_id}/rollout={rollout_index}/turn={turn_index}"
+
+
+def session_id(group_id: int, rollout_index: int) -> str:
+    return f"group={group_id}/rollout={rollout_index}"
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RolloutTurn:
+    """One generate call and what the environment made of it."""
+
+    turn_index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    """Exactly the tokens the generator received."""
+    completion_token_ids: list[int]
+    """Exactly the tokens the generator returned (the end-of-turn token included when sampled)."""
+    completion_logprobs: list[float]
+    """One per completion token, as the generator gave them (NaN kept: the trainer counts them)."""
+    policy_versions: list[int]
+    """Policy version that sampled each completion token."""
+    finish_reason: FinishReason
+    completion_text: str = ""
+    """The completion decoded without special tokens: the assistant message the env saw."""
+    env_messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    """The environment's reply to this turn (empty when it was not stepped)."""
+    reward_parts: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Per-turn reward signals the environment reported (empty when it was not stepped)."""
+    drift: bool = False
+    """True when re-rendering the whole history after this turn would not extend
+    prompt + completion tokens (what a re-tokenising loop would have broken)."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Rollout:
+    """One sibling of a group: its turns, how it ended, its score."""
+
+    group_id: int
+    rollout_index: int
+    status: RolloutStatus
+    turns: list[RolloutTurn] = dataclasses.field(default_factory=list)
+    reward: float = 0.0
+    """The environment's final score; for errored rollouts the Rollouter's error_reward (or 0.0
+    when they are excluded from training)."""
+    advantage: float | None = None
+    """Filled by the Rollouter; None means the rollout is excluded from training."""
+    num_drift_events: int = 0
+    error: str | None = None
+    """One line saying what went wrong, for ERROR_* statuses."""
+
+    @property
+    def session_id(self) -> str:
+        return session_id(self.group_id, self.rollout_index)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(t.completion_token_ids) for t in self.turns)
+
+    @property
+    def replies(self) -> list[str]:
+        return [t.completion_text for t in self.turns]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RolloutGroup:
+    """Siblings rolled out from one episode spec, scored, with group-relative advantages."""
+
+    group_id: int
+    sample: Any
+    """The episode spec the group was built from (picklable; e.g. an AlphabetSortEpisode)."""
+    rollouts: list[Rollout]
+    dropped: bool = False
+    """True when the group carries no learning signal; it then yields no training samples."""
+    drop_reason: str | None = None
+    """"zero_std" (all counted rewards equal) or "all_errored" (no rollout counted)."""
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r.reward for r in self.rollouts]
+
+    @property
+    def advantages(self) -> list[float | None]:
+        return [r.advantage for r in self.rollouts]

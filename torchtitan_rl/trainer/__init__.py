@@ -1,0 +1,1 @@
+"""The policy trainer: torchtitan Qwen3 under FSDP/TP, GRPO loss, batcher, weight push, checkpoints."""

@@ -1,0 +1,367 @@
+"""The trainer's logic without Monarch: one instance per trainer rank (torchrun, Monarch, or alone).
+
+    core = PolicyTrainerCore.Config(...).build(model_dir=hf_dir)   # every rank, same config
+    for each step:
+        batch = Batcher(..., dp_size=core.dp_size).pack(samples)  # same batch on every rank
+        core.forward_backward(batch)   # every microbatch of this rank's column; grads accumulate
+        core.optim_step()              # clip, AdamW, policy_version += 1
+    core.full_model_state_dict()       # collective: plain full tensors (weight push)
+    core.save_checkpoint(dir, extra) / core.load_checkpoint(dir) / core.export_hf(dir)
+
+Collectives: forward_backward and optim_step run FSDP/TP collectives and all-reduce metrics over
+the data-parallel ranks; full_model_state_dict, save/load and export are collectives too. Every
+rank must call them in the same order. A lone process (WORLD_SIZE unset or 1) runs unparallelised.
+
+Determinism: nothing in a step draws random numbers; the learning rate is a pure function of the
+step; a checkpoint holds model, AdamW state and ``policy_version`` (the step), so a resumed run
+repeats the uninterrupted one bit for bit on the same hardware and thread count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torchtitan.distributed import utils as dist_utils
+
+from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.models.qwen3 import (
+    AttnBackend,
+    build_qwen3_from_hf,
+    hf_state_dict_from_torchtitan,
+    model_attention_masks,
+    qwen3_flavor_config,
+    torchtitan_qwen3_config,
+)
+from torchtitan_rl.trainer import checkpoint as ckpt
+from torchtitan_rl.trainer.batcher import TrainingBatch
+from torchtitan_rl.trainer.loss import MAX_KEYS, SUM_KEYS, GRPOLoss, finalize_loss_metrics
+from torchtitan_rl.trainer.parallel import (
+    build_parallel_dims,
+    init_trainer_distributed,
+    parallelize_model,
+    prepare_config_for_parallelism,
+)
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    lr: float = 1e-5
+    """AdamW peak learning rate (after warm-up). > 0."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+
+
+class PolicyTrainerCore(Configurable):
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        flavor: str = ""
+        """torchtitan Qwen3 flavor (e.g. ``debugmodel``) initialised from ``seed``; empty: load the
+        HF model directory given to build(model_dir=...)."""
+        dtype: Literal["float32", "bfloat16"] = "float32"
+        """Compute dtype. Parameters and optimizer state stay float32; bfloat16 computes through
+        FSDP mixed precision (several ranks) or autocast (one rank)."""
+        attn_backend: Literal["sdpa_packed", "flex", "varlen"] = "sdpa_packed"
+        """Inner attention: ``sdpa_packed`` works on CPU; flex/varlen need a GPU."""
+        device: Literal["auto", "cpu", "cuda"] = "auto"
+        """auto: cuda when available, else cpu."""
+        optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+        lr_warmup_steps: int = 0
+        """Linear warm-up: step s (0-based) uses lr * min(1, (s + 1) / lr_warmup_steps). >= 0."""
+        max_grad_norm: float | None = 1.0
+        """Clip the global gradient norm to this; None: no clipping (the norm is still logged)."""
+        data_parallel_shard_degree: int = -1
+        """FSDP degree; -1: world size / tensor_parallel_degree."""
+        tensor_parallel_degree: int = 1
+        """TP degree; must divide the model's heads and kv heads."""
+        seed: int = 0
+        """Seeds torch (only a flavor's random init draws from it)."""
+        num_threads: int | None = None
+        """torch intra-op threads of this rank; None leaves torch's default. On a small CPU box
+        give each rank cores / ranks (spinning OpenMP threads on shared cores stall training)."""
+        loss: GRPOLoss.Config = dataclasses.field(default_factory=GRPOLoss.Config)
+
+        def __post_init__(self) -> None:
+            if self.lr_warmup_steps < 0:
+                raise ValueError(f"lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+            if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+                raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+            if self.num_threads is not None and self.num_threads < 1:
+                raise ValueError(f"num_threads must be >= 1 or None, got {self.num_threads}")
+            if self.tensor_parallel_degree < 1:
+                raise ValueError(
+                    f"tensor_parallel_degree must be >= 1, got {self.tensor_parallel_degree}"
+                )
+            if self.data_parallel_shard_degree == 0 or self.data_parallel_shard_degree < -1:
+                raise ValueError(
+                    "data_parallel_shard_degree must be -1 or >= 1, got "
+                    f"{self.data_parallel_shard_degree}"
+                )
+
+    def __init__(self, config: Config, *, model_dir: str | os.PathLike | None = None) -> None:
+        if not config.flavor and model_dir is None:
+            raise ValueError("PolicyTrainerCore needs build(model_dir=...) or config.flavor")
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.model_dir = str(model_dir) if model_dir is not None else None
+        self.device_type = _device_type(config.device)
+        self.rank, self.world_size = init_trainer_distributed(self.device_type)
+        self.device = torch.device(
+            f"cuda:{torch.cuda.current_device()}" if self.device_type == "cuda" else "cpu"
+        )
+        self.compute_dtype = _DTYPES[config.dtype]
+        torch.manual_seed(config.seed)
+
+        backend: AttnBackend = config.attn_backend
+        self.model_config = (
+            qwen3_flavor_config(config.flavor, attn_backend=backend)
+            if config.flavor
+            else torchtitan_qwen3_config(model_dir, attn_backend=backend)
+        )
+        self.parallel_dims = None
+        if self.world_size > 1:
+            self.parallel_dims = build_parallel_dims(
+                dp_shard=config.data_parallel_shard_degree,
+                tp=config.tensor_parallel_degree,
+                world_size=self.world_size,
+                device_type=self.device_type,
+            )
+            prepare_config_for_parallelism(self.model_config, self.parallel_dims)
+        elif config.tensor_parallel_degree != 1 or config.data_parallel_shard_degree not in (-1, 1):
+            raise ValueError(
+                "a single trainer process needs tensor_parallel_degree=1 and "
+                f"data_parallel_shard_degree in (-1, 1), got {config.tensor_parallel_degree} and "
+                f"{config.data_parallel_shard_degree}"
+            )
+        self.model = self._build_model()
+        self.loss_fn = config.loss.build()
+        opt = config.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self._lr_at(0), betas=(opt.beta1, opt.beta2),
+            eps=opt.eps, weight_decay=opt.weight_decay, foreach=True,
+        )
+        self.policy_version = 0
+        """Optimizer steps taken (restored from checkpoints): the version of the current weights."""
+        batch_mesh = self._mesh("batch")
+        self.dp_size = batch_mesh.size() if batch_mesh is not None else 1
+        self.dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
+        logger.info(
+            "trainer rank %d/%d ready: dp %d x tp %d, %s on %s",
+            self.rank, self.world_size, self.dp_size, config.tensor_parallel_degree,
+            config.dtype, self.device,
+        )
+
+    # ---- training -------------------------------------------------------------------------
+
+    def forward_backward(self, batch: TrainingBatch) -> dict[str, float]:
+        """Run this rank's microbatches of ``batch``, accumulate gradients; return step metrics
+        (reduced over data-parallel ranks)."""
+        if batch.dp_size != self.dp_size:
+            raise ValueError(f"batch has dp_size {batch.dp_size}, the trainer has {self.dp_size}")
+        start = time.perf_counter()
+        self.model.train()
+        sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
+        maxima = torch.zeros(len(MAX_KEYS), dtype=torch.float64)
+        for index in range(batch.num_microbatches):
+            data = {k: v.to(self.device) for k, v in batch.microbatch(index, self.dp_rank).items()}
+            with self._autocast():
+                logits = self._logits(data["input_ids"], data["positions"])
+            logprobs, entropy = _logprobs_and_entropy(logits, data["labels"])
+            loss, mb_sums, mb_max = self.loss_fn(
+                logprobs,
+                generator_logprobs=data["generator_logprobs"],
+                advantages=data["advantages"],
+                loss_mask=data["loss_mask"],
+                num_global_valid_tokens=batch.num_valid_tokens,
+                entropy=entropy,
+            )
+            loss.backward()
+            sums += torch.stack([mb_sums[k].double().cpu() for k in SUM_KEYS])
+            maxima = torch.maximum(maxima, torch.stack([mb_max[k].double().cpu() for k in MAX_KEYS]))
+        sums, maxima = self._reduce_over_dp(sums, maxima)
+        metrics = finalize_loss_metrics(
+            dict(zip(SUM_KEYS, sums.tolist())), dict(zip(MAX_KEYS, maxima.tolist()))
+        )
+        metrics.update(batch.metrics)
+        metrics["trainer/forward_backward_s"] = time.perf_counter() - start
+        return metrics
+
+    def optim_step(self) -> dict[str, float]:
+        """Clip gradients, AdamW step at the warm-up learning rate, zero grads, bump the version."""
+        start = time.perf_counter()
+        lr = self._lr_at(self.policy_version)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        max_norm = self.config.max_grad_norm
+        grad_norm = dist_utils.clip_grad_norm_(
+            list(self.model.parameters()), max_norm if max_norm is not None else float("inf"),
+            foreach=True,
+        )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.policy_version += 1
+        return {
+            "trainer/grad_norm": float(grad_norm),
+            "trainer/lr": lr,
+            "trainer/policy_version": float(self.policy_version),
+            "trainer/optim_step_s": time.perf_counter() - start,
+        }
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
+        """Logprob of every label in the grid under the current weights: float32
+        [num_microbatches, dp_size, rows, seq_len] (0 where there is no target), on CPU, the
+        same on every rank (gathered over data-parallel ranks)."""
+        self.model.eval()
+        out = torch.zeros(batch.labels.shape, dtype=torch.float32)
+        for index in range(batch.num_microbatches):
+            data = {k: v.to(self.device) for k, v in batch.microbatch(index, self.dp_rank).items()}
+            with self._autocast():
+                logits = self._logits(data["input_ids"], data["positions"])
+            has_target = data["document_ids"] >= 0
+            logprobs, _ = _logprobs_and_entropy(logits, data["labels"])
+            logprobs = torch.where(has_target, logprobs, 0.0)
+            out[index, self.dp_rank] = logprobs.float().cpu()
+        self.model.train()
+        batch_mesh = self._mesh("batch")
+        if batch_mesh is not None and self.dp_size > 1:
+            # Each rank filled only its own column; the others are zero, so a sum gathers.
+            out = out.to(self.device)
+            dist.all_reduce(out, group=batch_mesh.get_group())
+            out = out.cpu()
+        return out
+
+    # ---- weights and checkpoints ------------------------------------------------------------
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """torchtitan-named state dict as this rank holds it (DTensor shards when parallel)."""
+        return self.model.state_dict()
+
+    def full_model_state_dict(self) -> dict[str, torch.Tensor]:
+        """torchtitan-named plain full tensors (collective over the trainer ranks; a tied weight
+        is gathered once and appears under both names)."""
+        full: dict[int, torch.Tensor] = {}
+        result = {}
+        for name, tensor in self.model.state_dict().items():
+            key = id(tensor)
+            if key not in full:
+                value = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                full[key] = value.detach()
+            result[name] = full[key]
+        return result
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named plain full tensors (collective); no lm_head when embeddings are tied."""
+        return hf_state_dict_from_torchtitan(self.full_model_state_dict(), self.model_config)
+
+    def save_checkpoint(self, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> None:
+        """DCP checkpoint of model, AdamW state, policy_version and ``extra`` (JSON-able)."""
+        ckpt.save_checkpoint(
+            path, model=self.model, optimizer=self.optimizer, step=self.policy_version,
+            extra=extra or {},
+        )
+
+    def load_checkpoint(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Restore what save_checkpoint wrote (weights_only); returns its ``extra``."""
+        step, extra = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        self.policy_version = step
+        return extra
+
+    def export_hf(self, path: str | os.PathLike, dtype: str = "") -> None:
+        """Write an HF model dir (safetensors + config/tokenizer files of the source dir)."""
+        ckpt.export_hf(
+            path, self.hf_state_dict(), source_dir=self.model_dir,
+            dtype=_DTYPES[dtype] if dtype else None, write=self.rank == 0,
+        )
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _build_model(self) -> torch.nn.Module:
+        if self.config.flavor:
+            with torch.device(self.device):
+                model = self.model_config.build()
+            with torch.no_grad():
+                model.init_states(buffer_device=self.device)
+        else:
+            model = build_qwen3_from_hf(
+                self.model_dir, device=self.device, model_config=self.model_config
+            )
+        if self.parallel_dims is not None:
+            parallelize_model(model, self.parallel_dims, param_dtype=self.compute_dtype)
+        return model
+
+    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        masks = model_attention_masks(self.model, positions)
+        logits = self.model(input_ids, positions, masks)
+        if isinstance(logits, DTensor):  # TP: vocab-sharded logits, gathered for the loss
+            logits = logits.full_tensor()
+        return logits
+
+    def _autocast(self) -> Any:
+        # Several ranks: FSDP's mixed-precision policy already casts; one rank: autocast.
+        enabled = self.compute_dtype != torch.float32 and self.parallel_dims is None
+        return torch.autocast(self.device_type, dtype=self.compute_dtype, enabled=enabled)
+
+    def _lr_at(self, step: int) -> float:
+        warmup = self.config.lr_warmup_steps
+        scale = min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        return self.config.optimizer.lr * scale
+
+    def _mesh(self, name: str) -> Any:
+        if self.parallel_dims is None:
+            return None
+        return self.parallel_dims.get_optional_mesh(name)
+
+    def _reduce_over_dp(
+        self, sums: torch.Tensor, maxima: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        loss_mesh = self._mesh("loss")
+        if loss_mesh is None or loss_mesh.size() == 1:
+            return sums, maxima
+        group = loss_mesh.get_group()
+        sums, maxima = sums.to(self.device), maxima.to(self.device)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        return sums.cpu(), maxima.cpu()
+
+
+def _device_type(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device is 'cuda' but torch.cuda.is_available() is False")
+    return device
+
+
+def _logprobs_and_entropy(
+    logits: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of each label (with grad) and the policy's entropy at each position (no grad)."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    label_logprobs = logp.gather(-1, labels[..., None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return label_logprobs, entropy

@@ -1,0 +1,111 @@
+"""The messages that cross layers: generator -> rollout -> trainer.
+
+    Rollout code  --prompt_token_ids, Sampling-->  generator  --Completion-->  rollout code
+    rollout code  --TrainingSample (one per packed multi-turn rollout)-->  batcher -> trainer
+
+Everything here is plain data (lists, not tensors) so it pickles cheaply across Monarch actors.
+Token lists of one object always have the same length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Sampling:
+    """Per-request sampling settings (a subset of vLLM's SamplingParams the RL loop needs)."""
+
+    max_tokens: int = 64
+    """Most tokens to generate for this request."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 disables top-k."""
+    seed: int | None = None
+    """Per-request seed: sampling is reproducible whatever else runs in the batch."""
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    """Extra stop tokens beside the model's end-of-turn token."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class CompletionMetrics:
+    queue_time_s: float = 0.0
+    """From generate() being called to the request entering the engine."""
+    time_to_first_token_s: float = 0.0
+    """From entering the engine to the first output token."""
+    generation_time_s: float = 0.0
+    """From entering the engine to the final output."""
+    num_output_tokens: int = 0
+    num_inflight_requests: int = 0
+    """Requests in the engine (added, not yet finished or aborted) when this one finished,
+    this one included."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Completion:
+    """One generated turn. ``token_logprobs[i]`` is the logprob of ``token_ids[i]`` under the policy
+    version ``token_policy_versions[i]`` that sampled it (versions differ inside one completion when
+    weights were hot-swapped mid-request)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    token_logprobs: list[float]
+    token_policy_versions: list[int]
+    finish_reason: FinishReason
+    metrics: CompletionMetrics = dataclasses.field(default_factory=CompletionMetrics)
+
+    @property
+    def min_policy_version(self) -> int | None:
+        return min(self.token_policy_versions) if self.token_policy_versions else None
+
+    @property
+    def max_policy_version(self) -> int | None:
+        return max(self.token_policy_versions) if self.token_policy_versions else None
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TrainingSample:
+    """One training sequence: a rollout's turns merged while each prompt extends the previous
+    prompt + completion. Loss applies where ``loss_mask`` is 1 (sampled completion tokens); prompt and
+    environment tokens have mask 0, logprob 0.0, advantage 0.0 and policy version -1."""
+
+    sample_id: str
+    """``group=G/rollout=R/branch=B``: unique across a run, used to prove nothing is lost."""
+    group_id: int
+    token_ids: list[int]
+    loss_mask: list[int]
+    generator_logprobs: list[float]
+    advantages: list[float]
+    policy_versions: list[int]
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        for name in ("loss_mask", "generator_logprobs", "advantages", "policy_versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"TrainingSample {self.sample_id}: {name} has {len(getattr(self, name))} "
+                    f"entries, token_ids has {n}"
+                )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def oldest_policy_version(self) -> int | None:
+        versions = [v for v, m in zip(self.policy_versions, self.loss_mask) if m]
+        return min(versions) if versions else None
