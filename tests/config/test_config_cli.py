@@ -28,12 +28,12 @@ def _write(tmp_path: pathlib.Path, text: str) -> str:
 
 
 def test_defaults_then_toml_then_cli_later_sources_win(tmp_path):
-    toml = _write(tmp_path, "seed = 5\n[loop]\nnum_steps = 3\ngroup_size = 4\n")
-    parsed = parse_args(RLJob.Config, ["--config", toml, "--loop.group_size", "6"])
+    toml = _write(tmp_path, "seed = 5\n[loop]\nnum_steps = 3\n[rollouter]\ngroup_size = 4\n")
+    parsed = parse_args(RLJob.Config, ["--config", toml, "--rollouter.group_size", "6"])
     cfg = parsed.config
     assert cfg.seed == 5  # TOML over default
     assert cfg.loop.num_steps == 3  # TOML over default
-    assert cfg.loop.group_size == 6  # CLI over TOML
+    assert cfg.rollouter.group_size == 6  # CLI over TOML
     assert cfg.loop.prompts_per_step == RLJob.Config().loop.prompts_per_step  # untouched default
 
 
@@ -67,7 +67,7 @@ def test_python_composition_with_replace():
     base = RLJob.Config()
     cfg = dataclasses.replace(base, loop=dataclasses.replace(base.loop, num_steps=2), seed=3)
     assert cfg.loop.num_steps == 2 and cfg.seed == 3 and base.loop.num_steps != 2
-    assert apply_overrides(cfg, {"loop.group_size": 4}).loop.group_size == 4
+    assert apply_overrides(cfg, {"rollouter.group_size": 4}).rollouter.group_size == 4
 
 
 @pytest.mark.parametrize(
@@ -77,7 +77,7 @@ def test_python_composition_with_replace():
         (["--loop.num_steps", "abc"], "loop.num_steps: expected int, got 'abc'"),
         (["--checkpoint.resume", "maybe"], "checkpoint.resume: expected bool (true/false), got 'maybe'"),
         (["--model.size", "huge"], "model.size: expected one of 'tiny', 'demo', 'small', got 'huge'"),
-        (["--loop.group_size", "1"], "loop: group_size must be >= 2 (GRPO needs siblings to compare), got 1"),
+        (["--rollouter.group_size", "1"], "rollouter.group_size must be >= 2 (GRPO compares siblings), got 1"),
         (["--config", "/nonexistent/run.toml"], "config file not found: /nonexistent/run.toml"),
         (["stray"], "unexpected command-line argument 'stray'"),
     ],
