@@ -2,9 +2,13 @@
 
     python -m torchtitan_rl.train --config run_configs/alphabet_sort_cpu.toml [--dotted.key value ...]
     python -m torchtitan_rl.train --config ... --print-config      # resolved config as TOML, exit 0
+    torchrun --nproc_per_node=N -m torchtitan_rl.train --config ... --num_trainer_ranks N
+        # the torchrun processes are the trainer ranks, rank 0 the controller (controller/spmd.py);
+        # rank 0 prints, the other ranks print nothing
 
 From Python: ``torchtitan_rl.train.main(config)`` with an ``RLJob.Config`` you built or ``replace``d.
-Config errors print one line (``error: ...``) and exit with code 2.
+Config errors print one line (``error: ...``) and exit with code 2; a run that fails (an actor
+proc died) prints one ``error: ...`` line and exits with code 1.
 """
 
 from __future__ import annotations
@@ -12,11 +16,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.config.manager import config_to_toml, parse_args
 from torchtitan_rl.controller.job import RLJob
+from torchtitan_rl.controller.spmd import run_follower, run_rank0, torchrun_rank
+from torchtitan_rl.controller.supervision import RunFailedError
 
 logger = logging.getLogger("torchtitan_rl")
 
@@ -33,23 +40,43 @@ def main(config: RLJob.Config) -> dict[str, Any]:
 
 def cli(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    rank = torchrun_rank()  # None unless torchrun started this process
+    follower = rank is not None and rank > 0  # prints nothing: rank 0 reports for the job
     try:
         parsed = parse_args(RLJob.Config, argv)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if not follower:
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     if parsed.print_config:
-        sys.stdout.write(config_to_toml(parsed.config))
+        if not follower:
+            sys.stdout.write(config_to_toml(parsed.config))
         return
     _setup_logging()
+    if rank is not None:
+        sys.exit(run_follower(parsed.config) if follower
+                 else run_and_report(parsed.config, run=run_rank0))
+    sys.exit(run_and_report(parsed.config))
+
+
+def run_and_report(config: RLJob.Config,
+                   run: Callable[[RLJob.Config], dict[str, Any]] = main) -> int:
+    """Run ``config`` as the command line does (with ``run``, default `main`): the summary as
+    the last line, or one ``error:`` line. Returns the process exit code (0 ok, 1 run failed,
+    2 bad config)."""
     try:
-        summary = main(parsed.config)
+        summary = run(config)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    except RunFailedError as e:
+        logger.debug("run failed", exc_info=True)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     # The last line of the job: what a person (or a script) reads first.
     print(" ".join(f"{k}={_fmt(summary[k])}" for k in ("reward_before", "reward_after", "steps",
                                                         "wall_s")))
+    return 0
 
 
 def _fmt(value: Any) -> str:

@@ -1,5 +1,6 @@
 """Run a tiny job in its own process (for tests that kill it): python -m tests.controller.run_tiny_job
-OUTPUT_DIR NAME MODE NUM_STEPS [--resume] [--num-prompts N] [--staleness S]."""
+OUTPUT_DIR NAME MODE NUM_STEPS [--resume] [--num-prompts N] [--staleness S]
+[--partial-rollout abort] [--num-generators N]."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import argparse
 import dataclasses
 import logging
 import pathlib
+import sys
 
 from torchtitan_rl.controller.async_loop import AsyncLoop
 from torchtitan_rl.controller.staleness import StalenessGate
-from torchtitan_rl.train import main
+from torchtitan_rl.train import run_and_report
 
 from tests.controller.jobs import tiny_job
 from tests.controller.letter_task import LetterTask
@@ -25,16 +27,20 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--staleness", type=int, default=1)
+    parser.add_argument("--partial-rollout", choices=["none", "abort"], default="none")
+    parser.add_argument("--num-generators", type=int, default=1)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    config = tiny_job(args.output_dir, args.name, num_steps=args.num_steps, mode=args.mode)
+    config = tiny_job(args.output_dir, args.name, num_steps=args.num_steps, mode=args.mode,
+                      partial_rollout=args.partial_rollout)
     config = dataclasses.replace(
         config,
         task=LetterTask.Config(num_prompts=args.num_prompts),
         checkpoint=dataclasses.replace(config.checkpoint, resume=args.resume),
         async_loop=AsyncLoop.Config(staleness=StalenessGate.Config(max_staleness=args.staleness)),
+        num_generators=args.num_generators,
     )
-    main(config)
+    sys.exit(run_and_report(config))
 
 
 if __name__ == "__main__":

@@ -21,11 +21,9 @@ from torchtitan_rl.train import main
 from tests.controller.jobs import REPO_ROOT, read_hf_weights, read_metrics, tiny_job
 
 
-@pytest.fixture(scope="module")
-def uninterrupted_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("runs")
-    summary = main(tiny_job(out, "full"))
-    return out / "full", summary
+@pytest.fixture
+def uninterrupted_run(sync_tiny_run):
+    return sync_tiny_run
 
 
 def test_three_step_sync_run_logs_finite_metrics_tensorboard_and_checkpoints(uninterrupted_run):

@@ -21,16 +21,29 @@ import dataclasses
 import logging
 import statistics
 import time
+from typing import Any, Literal
 
 from torchtitan_rl.config.configurable import Configurable
-from torchtitan_rl.controller.faults import maybe_kill_after_groups
 from torchtitan_rl.controller.run_context import RunContext, StepRecord
 from torchtitan_rl.controller.run_state import FinishedGroup
 from torchtitan_rl.controller.staleness import StalenessGate
+from torchtitan_rl.controller.supervision import RunFailedError
+from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.rollout import rollout_group_to_training_samples, rollout_metrics
 from torchtitan_rl.rollout.types import RolloutGroup
 
 logger = logging.getLogger(__name__)
+
+
+def resolve_trainer_config(job_config: Any) -> Any:
+    """The trainer config a run uses: in async mode, TIS on by default (see Config)."""
+    trainer = job_config.trainer
+    async_cfg = job_config.async_loop
+    if (job_config.loop.mode == "async" and async_cfg.off_policy_correction == "tis"
+            and trainer.loss.tis_cap is None):
+        loss = dataclasses.replace(trainer.loss, tis_cap=async_cfg.tis_cap)
+        trainer = dataclasses.replace(trainer, loss=loss)
+    return trainer
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -44,6 +57,16 @@ class AsyncLoop(Configurable):
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(Configurable.Config):
         staleness: StalenessGate.Config = dataclasses.field(default_factory=StalenessGate.Config)
+        off_policy_correction: Literal["tis", "none"] = "tis"
+        """tis: truncated importance sampling at token level (``trainer.loss.tis_cap`` set to
+        ``tis_cap`` when the loss has none of its own): stale tokens are weighted by
+        min(pi_trainer / pi_generator, cap). none: the loss exactly as configured."""
+        tis_cap: float = 2.0
+        """The cap used by ``off_policy_correction = "tis"``. >= 1."""
+
+        def __post_init__(self) -> None:
+            if self.tis_cap < 1:
+                raise ValueError(f"tis_cap must be >= 1, got {self.tis_cap}")
 
     def __init__(self, config: Config, *, ctx: RunContext) -> None:
         self.config = config
@@ -105,7 +128,7 @@ class AsyncLoop(Configurable):
             dropped=group.dropped,
         )
         await self.gate.finish(group_id, _GroupResult(finished=finished, group=group))
-        maybe_kill_after_groups(self.num_finished)
+        maybe_kill("kill_controller_after_groups", self.num_finished)
 
     # ---- trainer ---------------------------------------------------------------------------------
     async def _train(self) -> None:
@@ -139,7 +162,7 @@ class AsyncLoop(Configurable):
         while True:
             if self._failure is not None:
                 take.cancel()
-                raise RuntimeError(f"a rollout group failed: {self._failure}") from self._failure
+                raise RunFailedError(f"a rollout group failed: {self._failure}") from self._failure
             pending = {take, *self._tasks}
             await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             if take.done():

@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from torchtitan_rl.controller.activity import IdleRatios
 from torchtitan_rl.controller.data_cursor import DataCursor
 from torchtitan_rl.controller.run_state import (
     ControllerState,
@@ -81,6 +82,10 @@ class RunContext:
     extra_checkpoint_state: Callable[[], dict[str, Any]] | None = None
     """The async loop's hook: groups in flight and finished-but-untrained, for the checkpoint."""
     progress: Any = None
+    idle_ratios: IdleRatios | None = None
+    metric_sources: list[Callable[[], dict[str, float]]] = dataclasses.field(default_factory=list)
+    """Counters sampled at the end of every step (e.g. the router's requests per generator)."""
+    """Generator / trainer idle ratio per step (see activity.py)."""
 
     def train_prompt(self, group_id: int) -> Any:
         return self.train_dataset[self.cursor.prompt_index(group_id)]
@@ -116,6 +121,10 @@ class RunContext:
             "throughput/generated_tokens_per_s": record.num_generated_tokens / max(step_s, 1e-9),
             "throughput/num_training_samples": float(len(record.samples)),
         }
+        if self.idle_ratios is not None:
+            metrics.update(self.idle_ratios.end_step(trainer_busy_s=end - train_start))
+        for source in self.metric_sources:
+            metrics.update(source())
         if "rollout_reward/mean" in metrics:
             self.state.reward_history.append((record.step, metrics["rollout_reward/mean"]))
         self.metrics_logger.log(record.step, metrics)

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from torchtitan_rl.config.convert import to_data
-from torchtitan_rl.controller.async_loop import AsyncLoop
+from torchtitan_rl.controller.activity import BusyGenerateFn, IdleRatios
 from torchtitan_rl.controller.data_cursor import DataCursor
 from torchtitan_rl.controller.job import RLJob, check_job
 from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
@@ -27,8 +27,10 @@ from torchtitan_rl.controller.run_state import (
     read_controller_state,
     restore_rng_state,
 )
-from torchtitan_rl.controller.setup import spawn_actors
+from torchtitan_rl.controller.setup import SpawnedActors, TrainerFactory, spawn_actors
+from torchtitan_rl.controller.supervision import MeshFailureWatch, RunFailedError
 from torchtitan_rl.controller.sync_loop import run_sync_loop
+from torchtitan_rl.metrics.logger import MetricsLogger
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +60,10 @@ def _prepare_run_dir(config: RLJob.Config) -> tuple[pathlib.Path, pathlib.Path |
     run_dir.mkdir(parents=True, exist_ok=True)
     if config.checkpoint.resume:
         resume_dir = latest_complete_checkpoint(run_dir / "checkpoints")
-        if resume_dir is None:
-            logger.warning("--checkpoint.resume: no complete checkpoint in %s; starting fresh",
-                           run_dir / "checkpoints")
-        return run_dir, resume_dir
+        if resume_dir is not None:
+            return run_dir, resume_dir
+        logger.warning("--checkpoint.resume: no complete checkpoint in %s; starting fresh",
+                       run_dir / "checkpoints")
     for name in _FRESH_RUN_OUTPUTS:  # a fresh run never mixes with an older run's outputs
         path = run_dir / name
         if path.is_dir():
@@ -71,8 +73,10 @@ def _prepare_run_dir(config: RLJob.Config) -> tuple[pathlib.Path, pathlib.Path |
     return run_dir, None
 
 
-async def run_job(config: RLJob.Config) -> dict[str, Any]:
-    from tqdm import tqdm
+async def run_job(config: RLJob.Config, *,
+                  trainer_factory: TrainerFactory | None = None) -> dict[str, Any]:
+    """``trainer_factory``: build the trainer client instead of spawning the trainer mesh (the
+    torchrun launch, see spmd.py)."""
     from transformers import AutoTokenizer
 
     wall_start = time.perf_counter()
@@ -81,56 +85,24 @@ async def run_job(config: RLJob.Config) -> dict[str, Any]:
     task = config.task.build()
     model_dir = resolve_model_dir(config, task)
     check_job(config, model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     state = (read_controller_state(resume_dir) if resume_dir is not None
              else ControllerState(step=0, next_group_id=0))
 
-    actors = await spawn_actors(config, model_dir)
-    metrics_logger = config.metrics.build(run_dir=run_dir)
-    try:
-        if resume_dir is not None:
-            await actors.trainer.load_checkpoint(resume_dir / "trainer")
-            restore_rng_state(state.rng_state)
-            await actors.trainer.push_weights(state.step)
-            logger.info("resumed from %s at step %d", resume_dir, state.step)
-        generate_fn = actors.router
-        if config.loop.partial_rollout == "abort":
-            generate_fn = ResumingGenerateFn(actors.router)
-        rollouter = config.rollouter.build(tokenizer=tokenizer, make_env=task.make_env)
-        train = task.dataset("train")
-        sampling = config.sampling
-        if sampling.seed is None:
-            sampling = dataclasses.replace(sampling, seed=config.seed)
-        ctx = RunContext(
-            config=config, state=state, run_dir=run_dir, rollouter=rollouter,
-            generate_fn=generate_fn, trainer=actors.trainer, tokenizer=tokenizer,
-            train_dataset=train, cursor=DataCursor(num_prompts=len(train), seed=config.seed),
-            sampling=sampling, metrics_logger=metrics_logger,
-            recorder=config.recorder.build(run_dir=run_dir),
-            validator=config.validation.build(rollouter=rollouter,
-                                              dataset=task.dataset("validation")),
-        )
-        if resume_dir is not None:
-            ctx.truncate_trained_log()
-        validator = ctx.validator
-        if validator.enabled and not state.validation_history:
-            await ctx.validate(0)
-        with tqdm(total=config.loop.num_steps, initial=state.step, desc="steps",
-                  dynamic_ncols=True) as progress:
-            ctx.progress = progress
-            if config.loop.mode == "async":
-                await config.async_loop.build(ctx=ctx).run()
-            else:
-                await run_sync_loop(ctx)
-        if validator.enabled and (not state.validation_history
-                                  or state.validation_history[-1][0] != state.step):
-            await ctx.validate(state.step)
-        if config.checkpoint.export_hf:
-            await actors.trainer.export_hf(run_dir / "hf")
-        _plot(metrics_logger, state, run_dir)
-    finally:
-        metrics_logger.close()
-        await actors.close()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with MeshFailureWatch() as watch:
+        actors = await spawn_actors(config, model_dir, trainer_factory=trainer_factory)
+        metrics_logger = config.metrics.build(run_dir=run_dir)
+        try:
+            try:
+                await watch.run_until_failure(_drive(
+                    config, actors, metrics_logger, tokenizer, run_dir, resume_dir, task, state))
+            finally:
+                metrics_logger.close()
+                await actors.close()
+        except Exception as e:
+            if watch.failures:  # summarised after the close: every failure is reported by now
+                raise RunFailedError(watch.summary()) from e
+            raise
 
     summary = {
         "reward_before": state.validation_history[0][1] if state.validation_history else None,
@@ -144,7 +116,58 @@ async def run_job(config: RLJob.Config) -> dict[str, Any]:
     return summary
 
 
-def _plot(metrics_logger: Any, state: ControllerState, run_dir: pathlib.Path) -> None:
+async def _drive(config: RLJob.Config, actors: SpawnedActors, metrics_logger: MetricsLogger,
+                 tokenizer: Any, run_dir: pathlib.Path, resume_dir: pathlib.Path | None,
+                 task: Any, state: ControllerState) -> None:
+    """Everything between spawning the meshes and closing them."""
+    from tqdm import tqdm
+
+    if resume_dir is not None:
+        await actors.trainer.load_checkpoint(resume_dir / "trainer")
+        restore_rng_state(state.rng_state)
+        await actors.trainer.push_weights(state.step)
+        logger.info("resumed from %s at step %d", resume_dir, state.step)
+    generate_fn = actors.router
+    if config.loop.partial_rollout == "abort":
+        generate_fn = ResumingGenerateFn(actors.router)
+    generate_fn = BusyGenerateFn(generate_fn)
+    rollouter = config.rollouter.build(tokenizer=tokenizer, make_env=task.make_env)
+    train = task.dataset("train")
+    sampling = config.sampling
+    if sampling.seed is None:
+        sampling = dataclasses.replace(sampling, seed=config.seed)
+    ctx = RunContext(
+        config=config, state=state, run_dir=run_dir, rollouter=rollouter,
+        generate_fn=generate_fn, trainer=actors.trainer, tokenizer=tokenizer,
+        train_dataset=train, cursor=DataCursor(num_prompts=len(train), seed=config.seed),
+        sampling=sampling, metrics_logger=metrics_logger,
+        recorder=config.recorder.build(run_dir=run_dir),
+        validator=config.validation.build(rollouter=rollouter,
+                                          dataset=task.dataset("validation")),
+        metric_sources=[actors.router.metrics],
+    )
+    if resume_dir is not None:
+        ctx.truncate_trained_log()
+    validator = ctx.validator
+    if validator.enabled and not state.validation_history:
+        await ctx.validate(0)
+    with tqdm(total=config.loop.num_steps, initial=state.step, desc="steps",
+              dynamic_ncols=True) as progress:
+        ctx.progress = progress
+        ctx.idle_ratios = IdleRatios(generate_fn.clock)
+        if config.loop.mode == "async":
+            await config.async_loop.build(ctx=ctx).run()
+        else:
+            await run_sync_loop(ctx)
+    if validator.enabled and (not state.validation_history
+                              or state.validation_history[-1][0] != state.step):
+        await ctx.validate(state.step)
+    if config.checkpoint.export_hf:
+        await actors.trainer.export_hf(run_dir / "hf")
+    _plot(state, run_dir)
+
+
+def _plot(state: ControllerState, run_dir: pathlib.Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from monarch.actor import Actor, concurrent_endpoint, current_rank
 
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.generator.config import WeightSyncPolicy
 from torchtitan_rl.generator.engine_loop import EngineLoop, StepStats
 from torchtitan_rl.types import Completion, Sampling
@@ -99,6 +100,7 @@ class Generator(Actor, Configurable):
         self._num_calls_waiting = 0
         self._no_calls_waiting = asyncio.Event()
         self._no_calls_waiting.set()
+        self.num_generate_calls = 0
 
     # ---- endpoints, in call order ---------------------------------------------------------------
     @concurrent_endpoint
@@ -120,6 +122,8 @@ class Generator(Actor, Configurable):
         sampling: Sampling | None = None,
     ) -> Completion | None:
         """Rank 0: generate one completion (see `EngineLoop.generate`)."""
+        self.num_generate_calls += 1
+        maybe_kill("kill_generator_after_requests", self.num_generate_calls)
         async with self._waiting_call():
             return await self._loop().generate(
                 prompt_token_ids, request_id=request_id, session_id=session_id, sampling=sampling

@@ -1,0 +1,38 @@
+"""Fault injection, for tests that must prove recovery from (or a clean failure on) a hard crash.
+
+``TORCHTITAN_RL_FAULT=<point>:N`` sends SIGKILL to the process that reaches ``point`` for the N-th
+time: no cleanup, no checkpoint, the same as a node dying. Points:
+
+- ``kill_controller_after_groups``: the controller, right after the N-th rollout group finishes
+  (async loop).
+- ``kill_generator_after_requests``: a generator proc, when its N-th generate request arrives.
+
+Unset in normal runs; reading one environment variable per event is the whole cost. Monarch procs
+inherit the controller's environment, so one variable reaches every actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "TORCHTITAN_RL_FAULT"
+FaultPoint = Literal["kill_controller_after_groups", "kill_generator_after_requests"]
+
+
+def maybe_kill(point: FaultPoint, count: int) -> None:
+    """SIGKILL this process if ``TORCHTITAN_RL_FAULT`` is ``point:count``."""
+    spec = os.environ.get(ENV_VAR, "")
+    if not spec.startswith(point + ":"):
+        return
+    try:
+        target = int(spec.split(":", 1)[1])
+    except ValueError:
+        raise ValueError(f"{ENV_VAR}={spec!r}: expected {point}:<int>") from None
+    if count == target:
+        logger.warning("fault injection: SIGKILL at %s=%d (pid %d)", point, count, os.getpid())
+        os.kill(os.getpid(), signal.SIGKILL)
