@@ -45,8 +45,9 @@ def cli(argv: list[str] | None = None) -> None:
     try:
         parsed = parse_args(RLJob.Config, argv)
     except ConfigError as e:
-        if not follower:
-            print(f"error: {e}", file=sys.stderr)
+        if follower:  # rank 0 reports it (a failing follower would get rank 0 killed first)
+            sys.exit(0)
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     if parsed.print_config:
         if not follower:

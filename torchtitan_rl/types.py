@@ -38,6 +38,9 @@ class Sampling:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63) (vLLM seeds a torch.Generator with "
+                             f"it), got {self.seed}")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -119,11 +119,13 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_print_config_exits_zero_with_loadable_toml():
-    proc = _run_cli("--config", "run_configs/alphabet_sort_cpu.toml", "--print-config")
+@pytest.mark.parametrize("run_config", sorted(
+    str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "run_configs").glob("*.toml")))
+def test_cli_print_config_exits_zero_with_loadable_toml(run_config):
+    proc = _run_cli("--config", run_config, "--print-config")
     assert proc.returncode == 0, proc.stderr
     assert config_from_toml_text(RLJob.Config, proc.stdout) == _resolve_from_root(
-        ["--config", "run_configs/alphabet_sort_cpu.toml"]
+        ["--config", run_config]
     )
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
+import pytest
+
+from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn, resume_seed
 from torchtitan_rl.types import Completion, Sampling
 
 
@@ -49,3 +51,15 @@ def test_partial_rollout_join_keeps_tokens_logprobs_versions_and_budget():
     assert inner.calls[1][0] == prompt + [2, 3, 4]
     assert inner.calls[2][2] == "group=0/rollout=0/turn=0/resume=2"
     assert gen.num_resumed == 2
+
+
+def test_resumed_pieces_get_distinct_seeds_that_vllm_accepts():
+    largest = 2**63 - 1  # request seeds are 63-bit hashes: resuming must not overflow them
+    seeds = [resume_seed(largest, attempt) for attempt in range(1, 17)]
+    assert len(set(seeds)) == len(seeds)
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert resume_seed(7, 1) == resume_seed(7, 1) != resume_seed(8, 1)
+    for attempt in range(1, 3):
+        Sampling(seed=resume_seed(largest, attempt))  # passes Sampling's own range check
+    with pytest.raises(ValueError, match="seed must be in"):
+        Sampling(seed=2**63)

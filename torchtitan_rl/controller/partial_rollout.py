@@ -10,12 +10,20 @@ piece gets a seed derived from the request's seed and the attempt, so runs stay 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 
 from torchtitan_rl.rollout.types import GenerateFn
 from torchtitan_rl.types import Completion, CompletionMetrics, Sampling
 
 logger = logging.getLogger(__name__)
+
+
+def resume_seed(seed: int, attempt: int) -> int:
+    """The seed of a request's ``attempt``-th resumed piece: 63 bits fixed by (seed, attempt)
+    alone (vLLM seeds a torch.Generator, which takes a signed 64-bit int)."""
+    key = f"{seed}/resume={attempt}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
 class ResumingGenerateFn:
@@ -44,7 +52,7 @@ class ResumingGenerateFn:
                 piece_sampling = dataclasses.replace(
                     sampling,
                     max_tokens=sampling.max_tokens - len(tokens),
-                    seed=None if sampling.seed is None else sampling.seed * 1_000_003 + attempt,
+                    seed=None if sampling.seed is None else resume_seed(sampling.seed, attempt),
                 )
             piece = await self.inner(
                 prompt_token_ids + tokens,

@@ -1,0 +1,153 @@
+"""Trained samples per second: the asynchronous loop (staleness 2, partial rollouts) vs the
+synchronous loop, on the same config, in one run.
+
+    python bench/async_vs_sync.py [--size tiny] [--steps 6] [--prompts-per-step 8]
+
+Heavy-tailed response lengths come from the environment mix: most episodes end after one
+assistant turn, one in ``--long-every`` runs ``--long-turns`` turns (the env answers "go on"
+each time), and every reply ends at one of ``--stop-every``-th token ids (a geometric length, as
+the tiny random model almost never says end-of-turn), so a synchronous step always waits for its
+slowest groups while the generator batch runs nearly empty and the trainer idles. Both runs use one torch thread for the generator and one
+for the trainer (two cores), no validation and no checkpoints; samples/s is training samples over
+the loop's wall time (sum of ``time/step_s``, the step windows tile the loop). Last line:
+
+    ratio=... async_samples_per_s=... sync_samples_per_s=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import pathlib
+import sys
+import tempfile
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from torchtitan_rl.config.configurable import Configurable  # noqa: E402
+from torchtitan_rl.controller.async_loop import AsyncLoop  # noqa: E402
+from torchtitan_rl.controller.job import CheckpointConfig, LoopConfig, RLJob  # noqa: E402
+from torchtitan_rl.controller.model_source import ModelSource  # noqa: E402
+from torchtitan_rl.controller.staleness import StalenessGate  # noqa: E402
+from torchtitan_rl.controller.validation import Validator  # noqa: E402
+from torchtitan_rl.generator.generator import Generator  # noqa: E402
+from torchtitan_rl.rollout.message_env import EnvStep, Message, MessageEnv  # noqa: E402
+from torchtitan_rl.rollout.rollouter import Rollouter  # noqa: E402
+from torchtitan_rl.trainer.batcher import Batcher  # noqa: E402
+from torchtitan_rl.trainer.core import OptimizerConfig  # noqa: E402
+from torchtitan_rl.trainer.trainer import PolicyTrainer  # noqa: E402
+from torchtitan_rl.train import main  # noqa: E402
+from torchtitan_rl.types import Sampling  # noqa: E402
+
+logger = logging.getLogger("bench.async_vs_sync")
+
+
+class GoOnEnv(MessageEnv):
+    """Asks for ``num_turns`` replies; reward = share of the letters a..m (spread for GRPO)."""
+
+    def __init__(self, episode: tuple[str, int]) -> None:
+        self.prompt, self.num_turns = episode
+        self.turn = 0
+
+    async def init(self) -> list[Message]:
+        return [{"role": "user", "content": self.prompt}]
+
+    async def step(self, assistant_message: Message) -> EnvStep:
+        self.turn += 1
+        if self.turn >= self.num_turns:
+            return EnvStep(done=True)
+        return EnvStep(done=False, messages=[{"role": "user", "content": "go on"}])
+
+    def score(self, replies: list[str], reward_parts: list[dict[str, float]]) -> float:
+        letters = [c for c in "".join(replies).lower() if c.isalpha()]
+        return sum(c <= "m" for c in letters) / len(letters) if letters else 0.0
+
+
+class LongTailTask(Configurable):
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        num_prompts: int = 256
+        long_every: int = 4
+        long_turns: int = 8
+        system_prompt: str | None = None
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def dataset(self, split: str) -> list[tuple[str, int]]:
+        cfg = self.config
+        return [(f"Write words, {split} prompt {i}:",
+                 cfg.long_turns if i % cfg.long_every == 0 else 1)
+                for i in range(cfg.num_prompts)]
+
+    def make_env(self, episode: tuple[str, int]) -> GoOnEnv:
+        return GoOnEnv(episode)
+
+
+def bench_job(output_dir: pathlib.Path, name: str, args: argparse.Namespace,
+              mode: str) -> RLJob.Config:
+    max_tokens = args.max_tokens
+    budget = args.long_turns * (max_tokens + 16) + 64
+    return RLJob.Config(
+        name=name, output_dir=str(output_dir), seed=0,
+        model=ModelSource.Config(size=args.size, assets_dir=str(REPO_ROOT / "assets" / "models")),
+        task=LongTailTask.Config(long_every=args.long_every,  # type: ignore[arg-type]
+                                 long_turns=args.long_turns),
+        rollouter=Rollouter.Config(group_size=args.group_size, max_turns=args.long_turns,
+                                   max_rollout_tokens=budget),
+        sampling=Sampling(max_tokens=max_tokens,
+                          stop_token_ids=list(range(3, 1024, args.stop_every))),
+        generator=Generator.Config(max_model_len=budget + 64, kv_cache_bytes=64 << 20,
+                                   torch_num_threads=1),
+        batcher=Batcher.Config(seq_len=budget),
+        trainer=PolicyTrainer.Config(optimizer=OptimizerConfig(lr=1e-3), num_threads=1),
+        loop=LoopConfig(mode=mode, num_steps=args.steps, prompts_per_step=args.prompts_per_step,
+                        partial_rollout="abort" if mode == "async" else "none"),
+        async_loop=AsyncLoop.Config(staleness=StalenessGate.Config(max_staleness=2)),
+        validation=Validator.Config(num_prompts=0),
+        checkpoint=CheckpointConfig(every_steps=0, export_hf=False),
+    )
+
+
+def trained_samples_per_s(run_dir: pathlib.Path) -> tuple[float, float, float]:
+    samples = seconds = 0.0
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "time/step_s" in record:
+            samples += record["throughput/num_training_samples"]
+            seconds += record["time/step_s"]
+    return samples / seconds, samples, seconds
+
+
+def run(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="tiny", choices=["tiny", "demo", "small"])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--prompts-per-step", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--stop-every", type=int, default=8)
+    parser.add_argument("--long-every", type=int, default=4)
+    parser.add_argument("--long-turns", type=int, default=8)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    out = pathlib.Path(tempfile.mkdtemp(prefix="bench_async_vs_sync_"))
+    results = {}
+    for mode in ("sync", "async"):
+        main(bench_job(out, mode, args, mode))
+        results[mode] = trained_samples_per_s(out / mode)
+        logger.warning("%s: %.0f samples in %.1f s", mode, results[mode][1], results[mode][2])
+    ratio = results["async"][0] / results["sync"][0]
+    print(f"bench=async_vs_sync size={args.size} steps={args.steps} "
+          f"prompts_per_step={args.prompts_per_step} group_size={args.group_size} "
+          f"long_every={args.long_every} long_turns={args.long_turns} "
+          f"stop_every={args.stop_every}")
+    print(f"ratio={ratio:.2f} async_samples_per_s={results['async'][0]:.2f} "
+          f"sync_samples_per_s={results['sync'][0]:.2f}")
+
+
+if __name__ == "__main__":
+    run()
