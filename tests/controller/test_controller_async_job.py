@@ -94,6 +94,7 @@ def test_async_partial_rollouts_over_two_generators_stay_within_staleness(tmp_pa
     config = dataclasses.replace(
         config, num_generators=2,
         router=GeneratorRouter.Config(strategy="least_loaded"),
+        verify_weight_push=True,  # each push is read back from both engines, bit for bit
         async_loop=AsyncLoop.Config(staleness=StalenessGate.Config(max_staleness=1)),
     )
     summary = main(config)

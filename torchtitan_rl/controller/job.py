@@ -188,6 +188,11 @@ def check_job(config: RLJob.Config, model_dir: pathlib.Path) -> None:
             "loop.partial_rollout='abort' needs generator.weight_sync.mode='hot_swap', got "
             f"{config.generator.weight_sync.mode!r}"
         )
+    if config.verify_weight_push and config.generator.tensor_parallel_degree != 1:
+        raise ConfigError(
+            "verify_weight_push needs generator.tensor_parallel_degree=1 (TP ranks hold shards), "
+            f"got {config.generator.tensor_parallel_degree}"
+        )
     if config.generator.model_dir is not None and config.model.path:
         raise ConfigError("set the model once: model.path, not generator.model_dir")
 

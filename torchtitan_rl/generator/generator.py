@@ -166,6 +166,18 @@ class Generator(Actor, Configurable):
         loop = self._loop()
         return self.rank, loop.num_finished, loop.finished_digest
 
+    @concurrent_endpoint
+    async def read_hf_weights(self) -> dict[str, torch.Tensor]:
+        """Every rank: this engine's weights as full HF-named tensors (verifying a push bit for
+        bit, see PolicyTrainer.push_weights(verify=True)). Tensor parallel 1 only: a TP rank
+        holds shards."""
+        from torchtitan_rl.trainer.vllm_weights import read_vllm_hf_weights, vllm_model
+
+        if self.config.tensor_parallel_degree != 1:
+            raise RuntimeError("read_hf_weights needs tensor_parallel_degree 1 (TP ranks hold "
+                               f"shards), got {self.config.tensor_parallel_degree}")
+        return read_vllm_hf_weights(vllm_model(self._loop().engine))
+
     # ---- helpers --------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def _waiting_call(self) -> AsyncIterator[None]:
