@@ -76,6 +76,10 @@ class AlphabetSortTask(Configurable):
         """Names in the bank (train and validation pools together)."""
         validation_name_fraction: float = 0.2
         """Share of the bank reserved for validation episodes, in (0, 1)."""
+        validation_names: Literal["disjoint", "shared"] = "disjoint"
+        """disjoint: validation episodes use only the reserved names (no name was ever trained
+        on: tests copying unseen strings). shared: validation episodes are still held out (their
+        own seed, never trained on) but draw names from the training pool."""
         system_prompt: str | None = None
         """Optional system message opening every episode."""
 
@@ -105,6 +109,8 @@ class AlphabetSortTask(Configurable):
         self.config = config
         bank = NameBank(seed=config.names_seed, num_names=config.num_names)
         train_pool, validation_pool = bank.split(config.validation_name_fraction)
+        if config.validation_names == "shared":
+            validation_pool = train_pool
         shape = EpisodeShape(
             min_turns=config.min_turns, max_turns=config.max_turns,
             min_names_per_turn=config.min_names_per_turn,

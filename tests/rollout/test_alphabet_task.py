@@ -8,6 +8,7 @@ import pytest
 from rollout_testlib import run
 
 from examples.alphabet_sort import AlphabetSortTask
+from torchtitan_rl.assets.names import NameBank
 from examples.alphabet_sort.episode import sort_key
 from examples.alphabet_sort.reward import NEW_NAME_MARK
 
@@ -34,6 +35,21 @@ def test_alphabet_train_and_validation_use_disjoint_names() -> None:
                 for name in turn}
     train, validation = names("train", 400), names("validation", 200)
     assert train and validation and not (train & validation)
+
+
+def test_alphabet_shared_validation_names_come_from_the_train_pool_in_new_episodes() -> None:
+    disjoint = AlphabetSortTask.Config(num_validation_episodes=200, min_names_per_turn=2).build()
+    shared = AlphabetSortTask.Config(num_validation_episodes=200, min_names_per_turn=2,
+                                     validation_names="shared").build()
+    def names(task: AlphabetSortTask, split: str, n: int) -> set[str]:
+        return {name for i in range(n) for turn in task.dataset(split)[i].turn_names
+                for name in turn}
+    train_pool, _ = NameBank(seed=0, num_names=2000).split(0.2)
+    assert names(shared, "validation", 200) <= set(train_pool)  # seen names ...
+    assert names(shared, "train", 400) == names(disjoint, "train", 400)  # training unchanged
+    train_episodes = {shared.dataset("train")[i].turn_names for i in range(2000)}
+    held_out = [shared.dataset("validation")[i].turn_names for i in range(200)]
+    assert sum(e in train_episodes for e in held_out) == 0  # ... in episodes never trained on
 
 
 def test_alphabet_episode_shape_and_ground_truth() -> None:

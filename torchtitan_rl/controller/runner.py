@@ -50,9 +50,18 @@ def resolve_model_dir(config: RLJob.Config, task: Any) -> pathlib.Path:
         base_model_dir=base,
         solved_conversation=lambda i: solved_conversation(
             train[i % len(train)], config.task.system_prompt),
-        task_fingerprint=json.dumps(to_data(config.task), sort_keys=True),
+        task_fingerprint=json.dumps(_train_split_fields(config.task), sort_keys=True),
         seed=config.seed,
     )
+
+
+def _train_split_fields(task_config: Any) -> dict[str, Any]:
+    """The task settings the warm start's training conversations depend on (validation-only
+    settings do not invalidate the cached warm start)."""
+    data = to_data(task_config)
+    for key in ("validation_names", "num_validation_episodes"):
+        data.pop(key, None)
+    return data
 
 
 def _prepare_run_dir(config: RLJob.Config) -> tuple[pathlib.Path, pathlib.Path | None]:
