@@ -56,10 +56,11 @@ def resolve_model_dir(config: RLJob.Config, task: Any) -> pathlib.Path:
 
 
 def _train_split_fields(task_config: Any) -> dict[str, Any]:
-    """The task settings the warm start's training conversations depend on (validation-only
-    settings do not invalidate the cached warm start)."""
+    """The task settings the warm start's training conversations depend on (validation-only and
+    reward-only settings do not invalidate the cached warm start)."""
     data = to_data(task_config)
-    for key in ("validation_names", "num_validation_episodes"):
+    for key in ("validation_names", "num_validation_episodes", "similarity_power",
+                "power_per_turn"):
         data.pop(key, None)
     return data
 
