@@ -57,6 +57,7 @@ from torchtitan_rl.generator import GeneratorHandle
 from torchtitan_rl.trainer.batcher import TrainingBatch
 from torchtitan_rl.trainer.core import PolicyTrainerCore, _device_type
 from torchtitan_rl.trainer.parallel import init_trainer_distributed
+from torchtitan_rl.trainer.weight_handoff import WeightHandoff
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +91,6 @@ def check_torchrun_config(config: Any) -> None:
             f"WORLD_SIZE={world_size} (set --num_trainer_ranks {world_size}, or torchrun "
             f"--nproc_per_node {config.num_trainer_ranks})"
         )
-    if config.verify_weight_push:
-        raise ConfigError("verify_weight_push is not supported by the torchrun launch")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -177,7 +176,7 @@ class SpmdTrainerClient(ControllerTrainerClient):
         self.trainer = trainer
         self.executor = executor
         self.weight_transport = weight_transport
-        self._stager: Any = None
+        self._handoff: WeightHandoff | None = None
 
     async def send(self, method: Method, *args: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -192,19 +191,19 @@ class SpmdTrainerClient(ControllerTrainerClient):
         start = time.perf_counter()
         state_dict = await self.send("full_model_state_dict")
         metrics = {"weight_sync/gather_s": time.perf_counter() - start}
-        sent = time.perf_counter()
-        payload: dict[str, Any] = state_dict
-        if self.weight_transport == "shared_memory":
-            from torchtitan_rl.trainer.shm_transport import SharedMemoryStager
+        if self._handoff is None:
+            assert self.trainer.core is not None
+            self._handoff = WeightHandoff(model_config=self.trainer.core.model_config)
 
-            if self._stager is None:
-                self._stager = SharedMemoryStager()
-            payload = self._stager.stage(state_dict)
-            metrics["weight_sync/stage_s"] = time.perf_counter() - sent
-        await generator.pull_model_state_dict(version, payload)
-        metrics["weight_sync/pull_s"] = time.perf_counter() - sent
-        unique = {id(t): t.numel() * t.element_size() for t in state_dict.values()}
-        metrics["weight_sync/bytes"] = float(sum(unique.values()))
+        async def read_back() -> list[dict[str, Any]]:
+            per_rank = await generator.actors.read_hf_weights.call()
+            return [weights for _, weights in per_rank.items()]
+
+        metrics.update(await self._handoff.push(
+            version, state_dict, transport=self.weight_transport,
+            pull=generator.pull_model_state_dict,
+            read_back=read_back if self.verify_push else None,
+        ))
         metrics["weight_sync/total_s"] = time.perf_counter() - start
         logger.info("pushed weights v%d in %.3fs", version, metrics["weight_sync/total_s"])
         return metrics
@@ -225,8 +224,8 @@ class SpmdTrainerClient(ControllerTrainerClient):
     async def close(self) -> None:
         if not self.trainer.stopped:
             await asyncio.get_running_loop().run_in_executor(self.executor, self.trainer.stop)
-        if self._stager is not None:
-            self._stager.close()
+        if self._handoff is not None:
+            self._handoff.close()
 
 
 def spmd_trainer_factory(trainer: TrainerRank, trainer_config: Any,

@@ -32,11 +32,9 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from torchtitan_rl.config.configurable import Configurable
-from torchtitan_rl.models.qwen3 import hf_state_dict_from_torchtitan
 from torchtitan_rl.trainer.batcher import TrainingBatch
 from torchtitan_rl.trainer.core import PolicyTrainerCore
-from torchtitan_rl.trainer.shm_transport import SharedMemoryStager
-from torchtitan_rl.trainer.vllm_weights import weight_mismatches
+from torchtitan_rl.trainer.weight_handoff import WeightHandoff
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +53,7 @@ class PolicyTrainer(Actor, Configurable):
     def __init__(self, config: Config, *, model_dir: str | None = None) -> None:
         self.core = PolicyTrainerCore(config, model_dir=model_dir)
         self.weight_transport = config.weight_transport
-        self._stager: SharedMemoryStager | None = None
+        self.handoff = WeightHandoff(model_config=self.core.model_config)
 
     @endpoint
     async def dp_size(self) -> int:
@@ -94,41 +92,20 @@ class PolicyTrainer(Actor, Configurable):
         """Hand the weights to ``generators`` (an actor mesh with ``pull_model_state_dict``);
         ``transport`` overrides the configured ``weight_transport`` for this push."""
         version = self.core.policy_version if version is None else version
-        transport = transport or self.weight_transport
         start = time.perf_counter()
         state_dict = self.core.full_model_state_dict()
         metrics = {"weight_sync/gather_s": time.perf_counter() - start}
         if self.core.rank != 0:
             return metrics
-        sent = time.perf_counter()
-        payload: dict[str, Any] = state_dict
-        if transport == "shared_memory":
-            if self._stager is None:
-                self._stager = SharedMemoryStager()
-            payload = self._stager.stage(state_dict)
-            metrics["weight_sync/stage_s"] = time.perf_counter() - sent
-        elif transport != "message":
-            raise ValueError(
-                f"weight_transport must be 'message' or 'shared_memory', got {transport!r}"
-            )
-        await generators.pull_model_state_dict.call(version, payload)
-        metrics["weight_sync/pull_s"] = time.perf_counter() - sent
-        metrics["weight_sync/bytes"] = float(_num_bytes(state_dict))
-        if verify:
-            expected = hf_state_dict_from_torchtitan(state_dict, self.core.model_config)
-            tied = self.core.model_config.enable_weight_tying
-            read_back = await generators.read_hf_weights.call()
-            bad = sorted({
-                name
-                for _, weights in read_back.items()
-                for name in weight_mismatches(expected, weights, tied=tied)
-            })
-            metrics["weight_sync/num_mismatched_tensors"] = float(len(bad))
-            if bad:
-                raise RuntimeError(
-                    f"weight push v{version}: generator weights differ from the trainer's in "
-                    f"{len(bad)} tensors: {bad[:5]}"
-                )
+
+        async def read_back() -> list[dict[str, torch.Tensor]]:
+            return [weights for _, weights in (await generators.read_hf_weights.call()).items()]
+
+        metrics.update(await self.handoff.push(
+            version, state_dict, transport=transport or self.weight_transport,
+            pull=generators.pull_model_state_dict.call,
+            read_back=read_back if verify else None,
+        ))
         metrics["weight_sync/total_s"] = time.perf_counter() - start
         logger.info("pushed weights v%d in %.3fs", version, metrics["weight_sync/total_s"])
         return metrics
@@ -144,13 +121,6 @@ class PolicyTrainer(Actor, Configurable):
     @endpoint
     async def export_hf(self, path: str, dtype: str = "") -> None:
         self.core.export_hf(path, dtype)
-
-
-def _num_bytes(state_dict: dict[str, torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for tensor in state_dict.values():
-        seen[id(tensor)] = tensor.numel() * tensor.element_size()
-    return sum(seen.values())
 
 
 async def spawn_policy_trainer(
