@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from torchtitan_rl.assets.make_model import MODEL_SIZES, directory_digest, make_model
+from torchtitan_rl.assets.make_model import MODEL_SIZES, directory_digest, ensure_model, make_model
 
 
 def test_same_seed_gives_byte_identical_directories(tmp_path):
@@ -20,6 +20,16 @@ def test_same_seed_gives_byte_identical_directories(tmp_path):
     names = sorted(p.name for p in a.iterdir())
     for required in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
         assert required in names
+
+
+def test_ensure_model_remakes_a_cached_model_of_another_shape(tmp_path):
+    made = ensure_model("tiny", tmp_path)
+    digest = directory_digest(made)
+    assert directory_digest(ensure_model("tiny", tmp_path)) == digest  # reused as is
+    config = json.loads((made / "config.json").read_text())
+    config["num_attention_heads"] += 1  # as if the size's shape changed since it was cached
+    (made / "config.json").write_text(json.dumps(config))
+    assert directory_digest(ensure_model("tiny", tmp_path)) == digest
 
 
 def test_make_model_cli_writes_the_requested_size(tmp_path):

@@ -123,7 +123,7 @@ def test_trainer_dp2_gives_the_loss_and_gradients_of_one_rank(tmp_path):
 def test_trainer_tp2_gives_the_loss_and_gradients_of_one_rank(tmp_path):
     from torchtitan_rl.assets.make_model import ensure_model
 
-    # tiny has one kv head; demo has two, so TP=2 can split them
+    # tiny has one kv head; demo has four, so TP=2 can split them
     model_dir = ensure_model("demo", REPO_ROOT / "assets" / "models").resolve()
     two = _run_two_ranks(
         model_dir, {"tensor_parallel_degree": 2, "data_parallel_shard_degree": 1}, tmp_path
