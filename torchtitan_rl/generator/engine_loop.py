@@ -37,7 +37,8 @@ from torchtitan_rl.generator.loop_decision import (
     LoopDecision,
     LoopInbox,
 )
-from torchtitan_rl.types import Completion, CompletionMetrics, Sampling
+from torchtitan_rl.generator.pending_requests import PendingRequests, fail_future, resolve_future
+from torchtitan_rl.types import Completion, Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -58,16 +59,6 @@ class StepStats:
     """Requests in the engine during this step (added, not finished or aborted before it)."""
     num_finished: int
     policy_version: int
-
-
-@dataclasses.dataclass(slots=True)
-class _Pending:
-    """Rank 0: one generate() call until its future resolves."""
-
-    request: EngineRequest
-    future: asyncio.Future[Completion]
-    submitted_at: float
-    admitted_at: float | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -113,7 +104,7 @@ class EngineLoop:
         )
         # ---- runtime state -------------------------------------------------------------------
         self._inbox = LoopInbox(drain_before_pull=self.weight_sync.drain_before_pull)
-        self._pending: dict[str, _Pending] = {}
+        self._pending = PendingRequests()
         self._pulls: dict[int, _Pull] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -167,8 +158,7 @@ class EngineLoop:
             sampling=sampling or self.default_sampling,
         )
         self._inbox.submit(request)
-        future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = _Pending(request, future, submitted_at=time.monotonic())
+        future = self._pending.add(request)
         self._wake.set()
         try:
             return await asyncio.shield(future)
@@ -191,11 +181,9 @@ class EngineLoop:
         """Resolve queued requests at once, mark in-engine ones for the next ABORT decision."""
         queued, marked = self._inbox.request_abort(request_ids)
         for request in queued:
-            pending = self._pending.pop(request.request_id)
-            metrics = CompletionMetrics(queue_time_s=time.monotonic() - pending.submitted_at)
-            _resolve(pending.future, vllm_engine.empty_abort_completion(request, metrics))
+            self._pending.resolve_unstarted_abort(request)
         self._wake.set()
-        futures = [self._pending[rid].future for rid in marked if rid in self._pending]
+        futures = [f for rid in marked if (f := self._pending.future(rid)) is not None]
         return len(queued) + len(marked), futures
 
     # ---- every-rank calls -----------------------------------------------------------------------
@@ -296,14 +284,11 @@ class EngineLoop:
         now = time.monotonic()
         for request in requests:
             rid = request.request_id
-            pending = self._pending.get(rid)
             if rid in failures:
                 self._inbox.on_left_engine(rid)
-                if pending is not None:
-                    del self._pending[rid]
-                    _fail(pending.future, failures[rid])
-            elif pending is not None:
-                pending.admitted_at = now
+                self._pending.fail(rid, failures[rid])
+            else:
+                self._pending.mark_admitted(rid, now)
 
     def _add_requests(self, requests: list[EngineRequest]) -> dict[str, Exception]:
         # A request vLLM refuses (too long, bad token id) fails alone, identically on every rank.
@@ -328,8 +313,7 @@ class EngineLoop:
             lost = list(self._inbox.in_engine)
             for rid in lost:
                 self._inbox.on_left_engine(rid)
-                if (pending := self._pending.pop(rid, None)) is not None:
-                    _fail(pending.future, RuntimeError(f"request {rid} left vLLM with no output"))
+                self._pending.fail(rid, RuntimeError(f"request {rid} left vLLM with no output"))
             logger.error("requests left vLLM with no output: %s", lost)
 
     def _step_once(self) -> list[Any] | None:
@@ -356,25 +340,8 @@ class EngineLoop:
             ))
 
     def _resolve_output(self, output: Any, num_in_engine: int) -> None:
-        rid = output.request_id
-        self._inbox.on_left_engine(rid)
-        pending = self._pending.pop(rid, None)
-        if pending is None:
-            return
-        now = time.monotonic()
-        admitted_at = pending.admitted_at if pending.admitted_at is not None else now
-        metrics = CompletionMetrics(
-            queue_time_s=admitted_at - pending.submitted_at,
-            time_to_first_token_s=vllm_engine.first_token_latency_s(output),
-            generation_time_s=now - admitted_at,
-            num_inflight_requests=num_in_engine,
-        )
-        try:
-            completion = vllm_engine.completion_from_output(pending.request, output, metrics)
-        except Exception as exc:
-            _fail(pending.future, exc)
-            return
-        _resolve(pending.future, completion)
+        self._inbox.on_left_engine(output.request_id)
+        self._pending.resolve_output(output, num_in_engine)
 
     async def _pull(self, version: int) -> None:
         pull = self._pulls.get(version)
@@ -386,7 +353,7 @@ class EngineLoop:
         await self._in_thread(self._load, version, weights)
         self.policy_version = version
         del self._pulls[version]
-        _resolve(pull.done, None)
+        resolve_future(pull.done, None)
         logger.info("rank %d: pulled policy version %d in %.3f s", self.rank, version,
                     time.perf_counter() - start)
 
@@ -404,12 +371,9 @@ class EngineLoop:
             return
         num_in_engine = len(self._inbox.in_engine) + len(request_ids)
         for rid, output in zip(request_ids, outputs):
-            pending = self._pending.get(rid)
             if output is None:
                 self._inbox.on_left_engine(rid)
-                if pending is not None:
-                    del self._pending[rid]
-                    _fail(pending.future, RuntimeError(f"request {rid} vanished from vLLM"))
+                self._pending.fail(rid, RuntimeError(f"request {rid} vanished from vLLM"))
                 continue
             self._resolve_output(output, num_in_engine)
 
@@ -445,12 +409,10 @@ class EngineLoop:
         self._fail_pending(error)
 
     def _fail_pending(self, error: BaseException) -> None:
-        pending, self._pending = self._pending, {}
-        for entry in pending.values():
-            _fail(entry.future, error)
+        self._pending.fail_all(error)
         pulls, self._pulls = self._pulls, {}
         for pull in pulls.values():
-            _fail(pull.done, error)
+            fail_future(pull.done, error)
 
     def _tell_peers_to_stop(self, error: BaseException) -> None:
         if self.channel is None:
@@ -460,14 +422,3 @@ class EngineLoop:
         # that must not keep this process alive or block the futures failed above.
         threading.Thread(target=self.channel.exchange, args=(decision,), daemon=True).start()
 
-
-def _resolve(future: asyncio.Future[Any], value: Any) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _fail(future: asyncio.Future[Any], error: BaseException) -> None:
-    if not future.done():
-        future.set_exception(error)
-        # Mark it retrieved: nobody may be awaiting (a pull future on a peer rank, a cancelled call).
-        future.exception()

@@ -1,0 +1,98 @@
+"""Rank 0's generate() calls until their futures resolve: a Completion, or an error.
+
+    EngineLoop.generate()       -> add()                 (a future the caller awaits)
+    admitted into vLLM          -> mark_admitted() | fail()
+    finished or aborted output  -> resolve_output()      (Completion with its timings)
+    aborted while still queued  -> resolve_unstarted_abort()
+    loop failed or closed       -> fail_all()
+
+Every future resolves exactly once; resolving an already-done future is a no-op, so a late output
+for a request that was failed or cancelled is dropped instead of raising in the engine loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+from torchtitan_rl.generator import vllm_engine
+from torchtitan_rl.generator.loop_decision import EngineRequest
+from torchtitan_rl.types import Completion, CompletionMetrics
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    request: EngineRequest
+    future: asyncio.Future[Completion]
+    submitted_at: float
+    admitted_at: float | None = None
+
+
+class PendingRequests:
+    def __init__(self) -> None:
+        self._entries: dict[str, _Pending] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, request: EngineRequest) -> asyncio.Future[Completion]:
+        future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
+        self._entries[request.request_id] = _Pending(request, future, submitted_at=time.monotonic())
+        return future
+
+    def future(self, request_id: str) -> asyncio.Future[Completion] | None:
+        entry = self._entries.get(request_id)
+        return entry.future if entry is not None else None
+
+    def mark_admitted(self, request_id: str, now: float) -> None:
+        if (entry := self._entries.get(request_id)) is not None:
+            entry.admitted_at = now
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        if (entry := self._entries.pop(request_id, None)) is not None:
+            fail_future(entry.future, error)
+
+    def resolve_unstarted_abort(self, request: EngineRequest) -> None:
+        """An abort that caught the request before vLLM saw it: no tokens, queue time only."""
+        entry = self._entries.pop(request.request_id)
+        metrics = CompletionMetrics(queue_time_s=time.monotonic() - entry.submitted_at)
+        resolve_future(entry.future, vllm_engine.empty_abort_completion(request, metrics))
+
+    def resolve_output(self, output: Any, num_in_engine: int) -> None:
+        """A vLLM output that finished (or was aborted) -> the caller's Completion."""
+        entry = self._entries.pop(output.request_id, None)
+        if entry is None:
+            return
+        now = time.monotonic()
+        admitted_at = entry.admitted_at if entry.admitted_at is not None else now
+        metrics = CompletionMetrics(
+            queue_time_s=admitted_at - entry.submitted_at,
+            time_to_first_token_s=vllm_engine.first_token_latency_s(output),
+            generation_time_s=now - admitted_at,
+            num_inflight_requests=num_in_engine,
+        )
+        try:
+            completion = vllm_engine.completion_from_output(entry.request, output, metrics)
+        except Exception as exc:
+            fail_future(entry.future, exc)
+            return
+        resolve_future(entry.future, completion)
+
+    def fail_all(self, error: BaseException) -> None:
+        entries, self._entries = self._entries, {}
+        for entry in entries.values():
+            fail_future(entry.future, error)
+
+
+def resolve_future(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def fail_future(future: asyncio.Future[Any], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+        # Mark it retrieved: nobody may be awaiting (a pull future on a peer rank, a cancelled call).
+        future.exception()
