@@ -25,11 +25,16 @@ def test_same_seed_gives_byte_identical_directories(tmp_path):
 def test_ensure_model_remakes_a_cached_model_of_another_shape(tmp_path):
     made = ensure_model("tiny", tmp_path)
     digest = directory_digest(made)
-    assert directory_digest(ensure_model("tiny", tmp_path)) == digest  # reused as is
+    written_at = (made / "model.safetensors").stat().st_mtime_ns
+    assert ensure_model("tiny", tmp_path) == made
+    assert (made / "model.safetensors").stat().st_mtime_ns == written_at  # reused, not remade
     config = json.loads((made / "config.json").read_text())
     config["num_attention_heads"] += 1  # as if the size's shape changed since it was cached
     (made / "config.json").write_text(json.dumps(config))
     assert directory_digest(ensure_model("tiny", tmp_path)) == digest
+    assert json.loads((made / "config.json").read_text())["num_attention_heads"] == (
+        MODEL_SIZES["tiny"].num_attention_heads
+    )
 
 
 def test_make_model_cli_writes_the_requested_size(tmp_path):
