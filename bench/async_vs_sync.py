@@ -1,7 +1,7 @@
-"""Trained samples per second: the asynchronous loop (staleness 2, partial rollouts) vs the
-synchronous loop, on the same config, in one run.
+"""Trained samples per second: the training loop at staleness 2 with partial rollouts (async) vs
+staleness 0 (sync), on the same config, in one run.
 
-    python bench/async_vs_sync.py [--size tiny] [--steps 6] [--prompts-per-step 8]
+    python bench/async_vs_sync.py [--size tiny] [--steps 6] [--groups-per-step 8]
 
 Heavy-tailed response lengths come from the environment mix: most episodes end after one
 assistant turn, one in ``--long-every`` runs ``--long-turns`` turns (the env answers "go on"
@@ -28,14 +28,16 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from torchtitan_rl.config.configurable import Configurable  # noqa: E402
-from torchtitan_rl.controller.async_loop import AsyncLoop  # noqa: E402
-from torchtitan_rl.controller.job import CheckpointConfig, LoopConfig, RLJob  # noqa: E402
+from torchtitan_rl.controller.checkpointer import Checkpointer  # noqa: E402
+from torchtitan_rl.controller.job import RLJob  # noqa: E402
+from torchtitan_rl.controller.loop import TrainingLoop  # noqa: E402
 from torchtitan_rl.controller.model_source import ModelSource  # noqa: E402
 from torchtitan_rl.controller.staleness import StalenessGate  # noqa: E402
 from torchtitan_rl.controller.validation import Validator  # noqa: E402
 from torchtitan_rl.generator.generator import Generator  # noqa: E402
 from torchtitan_rl.rollout.message_env import EnvStep, Message, MessageEnv  # noqa: E402
 from torchtitan_rl.rollout.rollouter import Rollouter  # noqa: E402
+from torchtitan_rl.task import TaskConfig  # noqa: E402
 from torchtitan_rl.trainer.batcher import Batcher  # noqa: E402
 from torchtitan_rl.trainer.core import OptimizerConfig  # noqa: E402
 from torchtitan_rl.trainer.trainer import PolicyTrainer  # noqa: E402
@@ -68,7 +70,7 @@ class GoOnEnv(MessageEnv):
 
 class LongTailTask(Configurable):
     @dataclasses.dataclass(kw_only=True, slots=True)
-    class Config(Configurable.Config):
+    class Config(TaskConfig):
         num_prompts: int = 256
         long_every: int = 4
         long_turns: int = 8
@@ -94,8 +96,7 @@ def bench_job(output_dir: pathlib.Path, name: str, args: argparse.Namespace,
     return RLJob.Config(
         name=name, output_dir=str(output_dir), seed=0,
         model=ModelSource.Config(size=args.size, assets_dir=str(REPO_ROOT / "assets" / "models")),
-        task=LongTailTask.Config(long_every=args.long_every,  # type: ignore[arg-type]
-                                 long_turns=args.long_turns),
+        task=LongTailTask.Config(long_every=args.long_every, long_turns=args.long_turns),
         rollouter=Rollouter.Config(group_size=args.group_size, max_turns=args.long_turns,
                                    max_rollout_tokens=budget),
         sampling=Sampling(max_tokens=max_tokens,
@@ -104,11 +105,12 @@ def bench_job(output_dir: pathlib.Path, name: str, args: argparse.Namespace,
                                    torch_num_threads=1),
         batcher=Batcher.Config(seq_len=budget),
         trainer=PolicyTrainer.Config(optimizer=OptimizerConfig(lr=1e-3), num_threads=1),
-        loop=LoopConfig(mode=mode, num_steps=args.steps, prompts_per_step=args.prompts_per_step,
-                        partial_rollout="abort" if mode == "async" else "none"),
-        async_loop=AsyncLoop.Config(staleness=StalenessGate.Config(max_staleness=2)),
+        loop=TrainingLoop.Config(
+            num_steps=args.steps, groups_per_step=args.groups_per_step,
+            staleness=StalenessGate.Config(max_staleness=2 if mode == "async" else 0),
+            partial_rollout="abort" if mode == "async" else "none"),
         validation=Validator.Config(num_prompts=0),
-        checkpoint=CheckpointConfig(every_steps=0, export_hf=False),
+        checkpoint=Checkpointer.Config(every_steps=0, export_hf=False),
     )
 
 
@@ -126,7 +128,7 @@ def run(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="tiny", choices=["tiny", "demo", "small"])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--prompts-per-step", type=int, default=8)
+    parser.add_argument("--groups-per-step", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--stop-every", type=int, default=8)
@@ -142,7 +144,7 @@ def run(argv: list[str] | None = None) -> None:
         logger.warning("%s: %.0f samples in %.1f s", mode, results[mode][1], results[mode][2])
     ratio = results["async"][0] / results["sync"][0]
     print(f"bench=async_vs_sync size={args.size} steps={args.steps} "
-          f"prompts_per_step={args.prompts_per_step} group_size={args.group_size} "
+          f"groups_per_step={args.groups_per_step} group_size={args.group_size} "
           f"long_every={args.long_every} long_turns={args.long_turns} "
           f"stop_every={args.stop_every}")
     print(f"ratio={ratio:.2f} async_samples_per_s={results['async'][0]:.2f} "

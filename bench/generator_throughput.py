@@ -30,11 +30,15 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from torchtitan_rl.assets.make_model import ensure_model  # noqa: E402
 from torchtitan_rl.generator import Generator, spawn_generator, start_engine_loop  # noqa: E402
 from torchtitan_rl.generator.loop_decision import EngineRequest  # noqa: E402
-from torchtitan_rl.types import Sampling  # noqa: E402
+from torchtitan_rl.types import GenerateFn, GenerateRequest, Sampling  # noqa: E402
 
 logger = logging.getLogger("bench.generator_throughput")
 
 Request = tuple[str, list[int], Sampling]
+
+
+def to_request(rid: str, prompt: list[int], sampling: Sampling) -> GenerateRequest:
+    return GenerateRequest(prompt_token_ids=prompt, request_id=rid, sampling=sampling)
 
 
 def make_requests(n: int, *, seed: int, tag: str) -> list[Request]:
@@ -60,19 +64,22 @@ def run_raw(engine: Any, requests: list[Request]) -> tuple[float, dict[str, list
     return time.perf_counter() - start, tokens
 
 
-async def run_concurrent(generate: Any, requests: list[Request]) -> tuple[float, dict[str, list[int]]]:
+async def run_concurrent(
+    generate: GenerateFn, requests: list[Request]
+) -> tuple[float, dict[str, list[int]]]:
     start = time.perf_counter()
-    completions = await asyncio.gather(*[
-        generate(prompt, request_id=rid, sampling=sampling) for rid, prompt, sampling in requests
-    ])
+    completions = await asyncio.gather(*[generate(to_request(*r)) for r in requests])
     return time.perf_counter() - start, {c.request_id: c.token_ids for c in completions}
 
 
-async def run_blocking(generate: Any, requests: list[Request]) -> tuple[float, dict[str, list[int]]]:
+async def run_blocking(
+    generate: GenerateFn, requests: list[Request]
+) -> tuple[float, dict[str, list[int]]]:
     start = time.perf_counter()
     tokens = {}
     for rid, prompt, sampling in requests:
-        completion = await generate(prompt, request_id=rid, sampling=sampling)
+        completion = await generate(to_request(rid, prompt, sampling))
+        assert completion is not None, f"{rid} was dropped"
         tokens[rid] = completion.token_ids
     return time.perf_counter() - start, tokens
 

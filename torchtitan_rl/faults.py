@@ -3,8 +3,9 @@
 ``TORCHTITAN_RL_FAULT=<point>:N`` sends SIGKILL to the process that reaches ``point`` for the N-th
 time: no cleanup, no checkpoint, the same as a node dying. Points:
 
-- ``kill_controller_after_groups``: the controller, right after the N-th rollout group finishes
-  (async loop).
+- ``kill_controller_after_groups``: the controller, right after the N-th rollout group finishes.
+- ``kill_controller_after_checkpoints``: the controller, right after its N-th checkpoint is
+  written (so a resume from step N is certain).
 - ``kill_generator_after_requests``: a generator proc, when its N-th generate request arrives.
 
 Unset in normal runs; reading one environment variable per event is the whole cost. Monarch procs
@@ -21,7 +22,8 @@ from typing import Literal
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "TORCHTITAN_RL_FAULT"
-FaultPoint = Literal["kill_controller_after_groups", "kill_generator_after_requests"]
+FaultPoint = Literal["kill_controller_after_groups", "kill_controller_after_checkpoints",
+                     "kill_generator_after_requests"]
 
 
 def maybe_kill(point: FaultPoint, count: int) -> None:

@@ -1,10 +1,11 @@
 """Entry point: resolve a run's config (defaults < TOML < CLI) and run it.
 
     python -m torchtitan_rl.train --config run_configs/alphabet_sort_cpu.toml [--dotted.key value ...]
-    python -m torchtitan_rl.train --config ... --print-config      # resolved config as TOML, exit 0
+    python -m torchtitan_rl.train --config ... --print-config    # the config as written, TOML
+    python -m torchtitan_rl.train --config ... --print-resolved  # what each part gets, TOML
     torchrun --nproc_per_node=N -m torchtitan_rl.train --config ... --num_trainer_ranks N
-        # the torchrun processes are the trainer ranks, rank 0 the controller (controller/spmd.py);
-        # rank 0 prints, the other ranks print nothing
+        # the torchrun processes are the trainer ranks, rank 0 the controller
+        # (controller/torchrun.py); rank 0 prints, the other ranks print nothing
 
 From Python: ``torchtitan_rl.train.main(config)`` with an ``RLJob.Config`` you built or ``replace``d.
 Config errors print one line (``error: ...``) and exit with code 2; a run that fails (an actor
@@ -22,8 +23,8 @@ from typing import Any
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.config.manager import config_to_toml, parse_args
 from torchtitan_rl.controller.job import RLJob
-from torchtitan_rl.controller.spmd import run_follower, run_rank0, torchrun_rank
 from torchtitan_rl.controller.supervision import RunFailedError
+from torchtitan_rl.controller.torchrun import run_follower, run_rank0, torchrun_rank
 
 logger = logging.getLogger("torchtitan_rl")
 
@@ -52,6 +53,14 @@ def cli(argv: list[str] | None = None) -> None:
     if parsed.print_config:
         if not follower:
             sys.stdout.write(config_to_toml(parsed.config))
+        return
+    if parsed.print_resolved:
+        if not follower:
+            try:
+                sys.stdout.write(config_to_toml(RLJob(parsed.config).resolve()))
+            except ConfigError as e:
+                print(f"error: {e}", file=sys.stderr)
+                sys.exit(2)
         return
     _setup_logging()
     if rank is not None:

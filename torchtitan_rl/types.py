@@ -1,6 +1,6 @@
 """The messages that cross layers: generator -> rollout -> trainer.
 
-    Rollout code  --prompt_token_ids, Sampling-->  generator  --Completion-->  rollout code
+    Rollout code  --GenerateRequest-->  GenerateFn (generator, router, ...)  --Completion-->  rollout code
     rollout code  --TrainingSample (one per packed multi-turn rollout)-->  batcher -> trainer
 
 Everything here is plain data (lists, not tensors) so it pickles cheaply across Monarch actors.
@@ -10,7 +10,7 @@ Token lists of one object always have the same length.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, Protocol
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -41,6 +41,32 @@ class Sampling:
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63) (vLLM seeds a torch.Generator with "
                              f"it), got {self.seed}")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class GenerateRequest:
+    """One generate call: a prompt in token ids and how to sample its completion."""
+
+    prompt_token_ids: list[int]
+    request_id: str
+    """``group=G/rollout=R/turn=T``: unique per call (a resumed piece adds ``/resume=N``)."""
+    session_id: str | None = None
+    """``group=G/rollout=R``: the same for every turn of a rollout, so a router may pin a session
+    to one generator and reuse its prefix cache. None: no session."""
+    sampling: Sampling | None = None
+    """None: the generator's default sampling."""
+
+
+class GenerateFn(Protocol):
+    """Generate one completion; the rollout code never knows what stands behind it (a generator
+    actor, a router over several, a wrapper that times or resumes requests, a test function).
+
+    Returns None when the request was dropped or cancelled (the rollout then ends ERROR_ABORT).
+    An exception is an infrastructure failure: it propagates and fails the whole group.
+    Wrappers hold an ``inner: GenerateFn`` and implement this one method.
+    """
+
+    async def __call__(self, request: GenerateRequest) -> Completion | None: ...
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

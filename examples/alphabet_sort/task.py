@@ -1,8 +1,12 @@
-"""AlphabetSortTask: the data source and env factory the controller wires to the Rollouter.
+"""AlphabetSortTask: a `torchtitan_rl.task.SupervisedTask` (episodes, env factory, solutions).
+
+    [task]
+    type = "examples.alphabet_sort:AlphabetSortTask"     (a job names it in its TOML)
 
     controller: task = AlphabetSortTask.Config(...).build()
     controller: spec = task.dataset("train")[i]          (same spec for the same seed, split, i)
     Rollouter:  env = task.make_env(spec)                 (one MessageEnv per rollout)
+    WarmStart:  task.solved_conversation(spec)            (training split only)
 
 Train and validation draw names from disjoint pools of one NameBank, so validation measures sorting
 names the policy never saw.
@@ -16,8 +20,11 @@ from typing import Literal, overload
 
 from examples.alphabet_sort.env import AlphabetSortEnv
 from examples.alphabet_sort.episode import AlphabetSortEpisode, EpisodeShape, make_episode
+from examples.alphabet_sort.solutions import solved_conversation
 from torchtitan_rl.assets.names import NameBank
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.rollout.message_env import Message
+from torchtitan_rl.task import TaskConfig
 
 Split = Literal["train", "validation"]
 
@@ -55,7 +62,10 @@ class AlphabetSortTask(Configurable):
     """Sort names alphabetically over 1..max_turns turns (see examples/alphabet_sort/episode.py)."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(Configurable.Config):
+    class Config(TaskConfig):
+        warm_start_independent_fields = ("validation_names", "num_validation_episodes",
+                                         "similarity_power", "power_per_turn")
+
         seed: int = 0
         """Fixes every episode (turn counts, names, sort key, prompt placeholders)."""
         min_turns: int = 1
@@ -128,6 +138,9 @@ class AlphabetSortTask(Configurable):
         if split not in self._datasets:
             raise ValueError(f"split must be one of {sorted(self._datasets)}, got {split!r}")
         return self._datasets[split]
+
+    def solved_conversation(self, episode: AlphabetSortEpisode) -> list[Message]:
+        return solved_conversation(episode, self.config.system_prompt)
 
     def make_env(self, episode: AlphabetSortEpisode) -> AlphabetSortEnv:
         return AlphabetSortEnv(

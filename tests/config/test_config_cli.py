@@ -34,24 +34,25 @@ def test_defaults_then_toml_then_cli_later_sources_win(tmp_path):
     assert cfg.seed == 5  # TOML over default
     assert cfg.loop.num_steps == 3  # TOML over default
     assert cfg.rollouter.group_size == 6  # CLI over TOML
-    assert cfg.loop.prompts_per_step == RLJob.Config().loop.prompts_per_step  # untouched default
+    assert cfg.loop.groups_per_step == RLJob.Config().loop.groups_per_step  # untouched default
 
 
 def test_cli_types_bool_flag_list_float_literal():
     cfg = parse_args(
         RLJob.Config,
         [
-            "--checkpoint.resume",
+            "--checkpoint.overwrite",
             "--sampling.temperature", "0.5",
             "--sampling.stop_token_ids", "3,4",
             "--model.size", "demo",
         ],
     ).config
-    assert cfg.checkpoint.resume is True
+    assert cfg.checkpoint.overwrite is True
     assert cfg.sampling.temperature == 0.5
     assert cfg.sampling.stop_token_ids == [3, 4]
     assert cfg.model.size == "demo"
-    assert parse_args(RLJob.Config, ["--checkpoint.resume", "false"]).config.checkpoint.resume is False
+    assert parse_args(RLJob.Config, ["--checkpoint.overwrite", "false"]).config.checkpoint.overwrite is False
+    assert parse_args(RLJob.Config, ["--checkpoint.resume", "must"]).config.checkpoint.resume == "must"
 
 
 def test_print_config_round_trips_to_an_equal_config(tmp_path):
@@ -75,7 +76,8 @@ def test_python_composition_with_replace():
     [
         (["--loop.num_step", "3"], "unknown config key 'loop.num_step' (command line); did you mean 'loop.num_steps'?"),
         (["--loop.num_steps", "abc"], "loop.num_steps: expected int, got 'abc'"),
-        (["--checkpoint.resume", "maybe"], "checkpoint.resume: expected bool (true/false), got 'maybe'"),
+        (["--checkpoint.overwrite", "maybe"], "checkpoint.overwrite: expected bool (true/false), got 'maybe'"),
+        (["--checkpoint.resume", "maybe"], "checkpoint.resume: expected one of 'auto', 'never', 'must', got 'maybe'"),
         (["--model.size", "huge"], "model.size: expected one of 'tiny', 'demo', 'small', got 'huge'"),
         (["--rollouter.group_size", "1"], "rollouter.group_size must be >= 2 (GRPO compares siblings), got 1"),
         (["--config", "/nonexistent/run.toml"], "config file not found: /nonexistent/run.toml"),
@@ -94,7 +96,7 @@ def test_cli_errors_name_the_key(argv, message):
         ("[loop]\nnum_stepz = 3\n", "unknown config key 'loop.num_stepz'; did you mean 'loop.num_steps'?"),
         ("[loop]\nnum_steps = \"3\"\n", "loop.num_steps: expected int, got '3' (str)"),
         ("[loop]\nnum_steps = true\n", "loop.num_steps: expected int, got True (bool)"),
-        ("loop = 3\n", "loop: expected a table for LoopConfig, got 3 (int)"),
+        ("loop = 3\n", "loop: expected a table for TrainingLoop.Config, got 3 (int)"),
         ("[sampling]\nstop_token_ids = [1, \"x\"]\n", "sampling.stop_token_ids[1]: expected int, got 'x' (str)"),
     ],
 )
@@ -146,3 +148,66 @@ def test_cli_unknown_key_exits_2_with_one_line():
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "no_such.key" in lines[0] and "Traceback" not in proc.stderr
+
+
+LETTER_TASK = "tests.controller.letter_task:LetterTask"
+
+
+def test_task_type_selects_the_class_and_its_typed_settings(tmp_path):
+    from tests.controller.letter_task import LetterTask
+
+    toml = _write(tmp_path, f'[task]\ntype = "{LETTER_TASK}"\nnum_prompts = 5\n')
+    cfg = parse_args(RLJob.Config, ["--config", toml, "--task.num_prompts", "7"]).config
+    assert type(cfg.task) is LetterTask.Config and cfg.task.num_prompts == 7
+    # the command line may name the class too, and set its settings in the same call
+    cfg = parse_args(RLJob.Config, ["--task.type", LETTER_TASK, "--task.num_prompts", "3"]).config
+    assert type(cfg.task) is LetterTask.Config and cfg.task.num_prompts == 3
+    # round trip: the printed TOML names the class and loads back equal
+    assert config_from_toml_text(RLJob.Config, config_to_toml(cfg)) == cfg
+    with pytest.raises(ConfigError) as e:
+        parse_args(RLJob.Config, ["--task.type", LETTER_TASK, "--task.max_turns", "2"])
+    assert str(e.value).startswith("unknown config key 'task.max_turns' (command line)")
+
+
+@pytest.mark.parametrize("type_path, message", [
+    ("no_such_module:Task", "task.type: cannot import 'no_such_module:Task'"),
+    ("torchtitan_rl.controller.job:RLJob", "task.type: 'torchtitan_rl.controller.job:RLJob' is "
+                                           "not a TaskConfig"),
+])
+def test_bad_task_type_is_one_line_naming_the_key(tmp_path, type_path, message):
+    with pytest.raises(ConfigError) as e:
+        parse_args(RLJob.Config, ["--config", _write(tmp_path, f'[task]\ntype = "{type_path}"\n')])
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[loop]\nmode = "sync"\n', "loop.mode: the loop is one loop now: set "
+                                 "loop.staleness.max_staleness = 0 for synchronous training"),
+    ("[loop]\nprompts_per_step = 4\n", "loop.prompts_per_step: renamed loop.groups_per_step"),
+    ("[async_loop.staleness]\nmax_staleness = 1\n", "async_loop: moved into [loop]"),
+])
+def test_moved_keys_say_what_to_write(tmp_path, text, message):
+    with pytest.raises(ConfigError) as e:
+        parse_args(RLJob.Config, ["--config", _write(tmp_path, text)])
+    assert str(e.value).startswith(message)
+    with pytest.raises(ConfigError, match="renamed loop.groups_per_step"):
+        parse_args(RLJob.Config, ["--loop.prompts_per_step", "4"])
+
+
+def test_print_resolved_shows_what_each_part_gets():
+    proc = _run_cli("--config", "run_configs/alphabet_sort_cpu.toml", "--seed", "7",
+                    "--warm_start.enabled", "false", "--print-resolved")
+    assert proc.returncode == 0, proc.stderr
+    import tomli
+
+    resolved = tomli.loads(proc.stdout)
+    assert resolved["model_dir"] == resolved["base_model_dir"] == "assets/models/demo"
+    generator = resolved["generators"][0]
+    assert generator["model_dir"] == "assets/models/demo" and generator["seed"] == 7
+    assert resolved["trainer"]["seed"] == resolved["rollouter"]["seed"] == 7
+    assert resolved["sampling"]["seed"] == 7
+    assert resolved["task"]["type"] == "examples.alphabet_sort.task:AlphabetSortTask"
+    # and --print-config still prints what the user wrote: no derived values
+    written = tomli.loads(_run_cli("--config", "run_configs/alphabet_sort_cpu.toml",
+                                   "--print-config").stdout)
+    assert "model_dir" not in written["generator"]

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import pathlib
 
-from torchtitan_rl.controller.job import CheckpointConfig, LoopConfig, RLJob
+from torchtitan_rl.controller.checkpointer import Checkpointer
+from torchtitan_rl.controller.job import RLJob
+from torchtitan_rl.controller.loop import TrainingLoop
 from torchtitan_rl.controller.model_source import ModelSource
+from torchtitan_rl.controller.staleness import StalenessGate
 from torchtitan_rl.controller.validation import Validator
 from torchtitan_rl.generator.generator import Generator
 from torchtitan_rl.rollout.recorder import RolloutRecorder
@@ -23,15 +26,16 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def tiny_job(output_dir: pathlib.Path, name: str, *, num_steps: int = 3,
-             mode: str = "sync", **loop_kwargs) -> RLJob.Config:
+             max_staleness: int = 0, **loop_kwargs) -> RLJob.Config:
     """Three short single-turn GRPO steps on the tiny model; bit-reproducible on CPU (the PPO
-    ratio is taken against the trainer's own logprobs, see GRPOLoss.ratio_reference)."""
+    ratio is taken against the trainer's own logprobs, see GRPOLoss.ratio_reference).
+    ``max_staleness`` 0 is synchronous training."""
     return RLJob.Config(
         name=name,
         output_dir=str(output_dir),
         seed=0,
         model=ModelSource.Config(size="tiny", assets_dir=str(REPO_ROOT / "assets" / "models")),
-        task=LetterTask.Config(),  # type: ignore[arg-type]  (any task with dataset/make_env)
+        task=LetterTask.Config(),
         rollouter=Rollouter.Config(group_size=4, max_rollout_tokens=96),
         sampling=Sampling(max_tokens=12),
         generator=Generator.Config(max_model_len=128, kv_cache_bytes=32 << 20),
@@ -41,9 +45,11 @@ def tiny_job(output_dir: pathlib.Path, name: str, *, num_steps: int = 3,
             loss=GRPOLoss.Config(ratio_reference="trainer"),
             num_threads=1,
         ),
-        loop=LoopConfig(num_steps=num_steps, prompts_per_step=2, mode=mode, **loop_kwargs),
+        loop=TrainingLoop.Config(
+            num_steps=num_steps, groups_per_step=2,
+            staleness=StalenessGate.Config(max_staleness=max_staleness), **loop_kwargs),
         validation=Validator.Config(num_prompts=2),
-        checkpoint=CheckpointConfig(every_steps=1),
+        checkpoint=Checkpointer.Config(every_steps=1),
         recorder=RolloutRecorder.Config(every_k_steps=1),
     )
 

@@ -1,8 +1,8 @@
 """A single-turn task on which even a random tiny model gets a reward with spread, so short
 end-to-end runs really train: reward = share of the reply's letters that are in a..m.
 
-It plugs into RLJob.Config.task by Python composition (anything with dataset(split) and
-make_env(spec) works there); it is a test fixture, not an example.
+It is a `torchtitan_rl.task.Task` defined only in tests: a job names it in TOML as
+``[task] type = "tests.controller.letter_task:LetterTask"``. A test fixture, not an example.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import dataclasses
 
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.rollout.message_env import EnvStep, Message, MessageEnv
+from torchtitan_rl.task import TaskConfig
 
 
 class LetterEnv(MessageEnv):
@@ -30,7 +31,7 @@ class LetterEnv(MessageEnv):
 
 class LetterTask(Configurable):
     @dataclasses.dataclass(kw_only=True, slots=True)
-    class Config(Configurable.Config):
+    class Config(TaskConfig):
         num_prompts: int = 64
         system_prompt: str | None = None
 

@@ -1,6 +1,6 @@
 """Run a tiny job in its own process (for tests that kill it): python -m tests.controller.run_tiny_job
-OUTPUT_DIR NAME MODE NUM_STEPS [--resume] [--num-prompts N] [--staleness S]
-[--partial-rollout abort] [--num-generators N]."""
+OUTPUT_DIR NAME NUM_STEPS [--resume] [--num-prompts N] [--staleness S] [--partial-rollout abort]
+[--num-generators N]. Staleness 0 (the default) is synchronous training."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import logging
 import pathlib
 import sys
 
-from torchtitan_rl.controller.async_loop import AsyncLoop
-from torchtitan_rl.controller.staleness import StalenessGate
 from torchtitan_rl.train import run_and_report
 
 from tests.controller.jobs import tiny_job
@@ -22,22 +20,21 @@ def run(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir", type=pathlib.Path)
     parser.add_argument("name")
-    parser.add_argument("mode", choices=["sync", "async"])
     parser.add_argument("num_steps", type=int)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--staleness", type=int, default=1)
+    parser.add_argument("--staleness", type=int, default=0)
     parser.add_argument("--partial-rollout", choices=["none", "abort"], default="none")
     parser.add_argument("--num-generators", type=int, default=1)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    config = tiny_job(args.output_dir, args.name, num_steps=args.num_steps, mode=args.mode,
-                      partial_rollout=args.partial_rollout)
+    config = tiny_job(args.output_dir, args.name, num_steps=args.num_steps,
+                      max_staleness=args.staleness, partial_rollout=args.partial_rollout)
     config = dataclasses.replace(
         config,
         task=LetterTask.Config(num_prompts=args.num_prompts),
-        checkpoint=dataclasses.replace(config.checkpoint, resume=args.resume),
-        async_loop=AsyncLoop.Config(staleness=StalenessGate.Config(max_staleness=args.staleness)),
+        checkpoint=dataclasses.replace(config.checkpoint,
+                                       resume="must" if args.resume else "never"),
         num_generators=args.num_generators,
     )
     sys.exit(run_and_report(config))

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn, resume_seed
-from torchtitan_rl.types import Completion, Sampling
+from torchtitan_rl.types import Completion, GenerateRequest, Sampling
 
 
 class _AbortingGenerator:
@@ -19,7 +19,9 @@ class _AbortingGenerator:
         self.calls: list[tuple[list[int], int, str]] = []
         self.version = 0
 
-    async def __call__(self, prompt, *, request_id, session_id=None, sampling=None):
+    async def __call__(self, request: GenerateRequest):
+        prompt, request_id, sampling = (request.prompt_token_ids, request.request_id,
+                                        request.sampling)
         self.calls.append((list(prompt), sampling.max_tokens, request_id))
         aborted = len(self.calls) <= self.num_aborts
         n = min(self.chunk, sampling.max_tokens) if aborted else sampling.max_tokens
@@ -39,8 +41,8 @@ def test_partial_rollout_join_keeps_tokens_logprobs_versions_and_budget():
     gen = ResumingGenerateFn(inner)
     prompt = [100, 101]
     out = asyncio.run(asyncio.wait_for(
-        gen(prompt, request_id="group=0/rollout=0/turn=0", session_id="s",
-            sampling=Sampling(max_tokens=10, seed=7)), 10))
+        gen(GenerateRequest(prompt_token_ids=prompt, request_id="group=0/rollout=0/turn=0",
+                            session_id="s", sampling=Sampling(max_tokens=10, seed=7))), 10))
     assert out.prompt_token_ids == prompt
     assert out.token_ids == list(range(2, 12))  # one contiguous continuation, 10 tokens
     assert out.token_logprobs == [-0.1 * t for t in range(2, 12)]

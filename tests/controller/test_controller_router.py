@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from torchtitan_rl.controller.router import GeneratorRouter
-from torchtitan_rl.types import Completion, Sampling
+from torchtitan_rl.types import Completion, GenerateRequest, Sampling
 
 
 class _RecordingGenerator:
@@ -17,12 +17,18 @@ class _RecordingGenerator:
         self.release = release
         self.request_ids: list[str] = []
 
-    async def __call__(self, prompt_token_ids, *, request_id, session_id=None, sampling=None):
+    async def __call__(self, request: GenerateRequest):
+        prompt_token_ids, request_id = request.prompt_token_ids, request.request_id
         self.request_ids.append(request_id)
         if self.release is not None:
             await self.release.wait()
         return Completion(request_id=request_id, prompt_token_ids=prompt_token_ids, token_ids=[1],
                           token_logprobs=[0.0], token_policy_versions=[0], finish_reason="stop")
+
+
+def _request(request_id: str, session_id: str) -> GenerateRequest:
+    return GenerateRequest(prompt_token_ids=[1], request_id=request_id, session_id=session_id,
+                           sampling=Sampling())
 
 
 def _router(strategy: str, n: int = 3, release: asyncio.Event | None = None):
@@ -35,7 +41,7 @@ def test_round_robin_cycles_through_generators():
 
     async def go():
         for i in range(6):
-            await router([1], request_id=f"r{i}", session_id=f"s{i}", sampling=Sampling())
+            await router(_request(f"r{i}", f"s{i}"))
 
     asyncio.run(asyncio.wait_for(go(), 10))
     assert [g.request_ids for g in gens] == [["r0", "r3"], ["r1", "r4"], ["r2", "r5"]]
@@ -46,9 +52,9 @@ def test_least_loaded_prefers_the_generator_with_fewest_inflight_requests():
     router, gens = _router("least_loaded", n=2, release=release)
 
     async def go():
-        first = asyncio.create_task(router([1], request_id="a", session_id="x", sampling=Sampling()))
+        first = asyncio.create_task(router(_request("a", "x")))
         await asyncio.sleep(0)  # let `a` reach generator 0 and block there
-        second = asyncio.create_task(router([1], request_id="b", session_id="y", sampling=Sampling()))
+        second = asyncio.create_task(router(_request("b", "y")))
         await asyncio.sleep(0)
         assert router.inflight_requests == [1, 1]
         release.set()
@@ -63,7 +69,7 @@ def test_sticky_session_pins_turns_and_repins_while_syncing():
     router, gens = _router("sticky_session", n=2)
 
     async def turn(session: str, t: int):
-        await router([1], request_id=f"{session}/turn={t}", session_id=session, sampling=Sampling())
+        await router(_request(f"{session}/turn={t}", session))
 
     async def go():
         await turn("group=0/rollout=0", 0)
@@ -87,7 +93,7 @@ def test_a_failing_generator_fails_the_request_with_its_error():
 
     router = GeneratorRouter.Config(strategy="round_robin").build(generators=[Broken()])
     with pytest.raises(RuntimeError, match="generator 0 died"):
-        asyncio.run(asyncio.wait_for(router([1], request_id="r", session_id="s", sampling=Sampling()), 10))
+        asyncio.run(asyncio.wait_for(router(_request("r", "s")), 10))
     assert router.inflight_requests == [0]
 
 

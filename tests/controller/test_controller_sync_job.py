@@ -15,7 +15,7 @@ import torch
 
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.config.manager import parse_args
-from torchtitan_rl.controller.job import RLJob, check_job
+from torchtitan_rl.controller.job import RLJob
 from torchtitan_rl.train import main
 
 from tests.controller.jobs import REPO_ROOT, read_hf_weights, read_metrics, tiny_job
@@ -63,7 +63,7 @@ def test_resume_from_step_two_repeats_step_three_bit_for_bit(uninterrupted_run, 
     main(first)
     resumed = dataclasses.replace(
         first, loop=dataclasses.replace(first.loop, num_steps=3),
-        checkpoint=dataclasses.replace(first.checkpoint, resume=True),
+        checkpoint=dataclasses.replace(first.checkpoint, resume="must"),
     )
     summary = main(resumed)
     assert summary["steps"] == 3
@@ -81,7 +81,8 @@ def test_resume_from_step_two_repeats_step_three_bit_for_bit(uninterrupted_run, 
 
 
 def _config(*argv: str) -> RLJob.Config:
-    return parse_args(RLJob.Config, ["--model.size", "tiny", *argv]).config
+    return parse_args(RLJob.Config, ["--model.size", "tiny", "--task.type",
+                                     "tests.controller.letter_task:LetterTask", *argv]).config
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -97,11 +98,14 @@ def _config(*argv: str) -> RLJob.Config:
      "rollouter.max_rollout_tokens=4096 exceeds generator.max_model_len=2048"),
     (["--sampling.max_tokens", "600", "--rollouter.max_rollout_tokens", "512"],
      "sampling.max_tokens=600 leaves no room for the prompt"),
-    (["--loop.partial_rollout", "abort"], "loop.partial_rollout='abort' needs loop.mode='async'"),
+    (["--loop.partial_rollout", "abort"],
+     "loop.partial_rollout='abort' needs loop.staleness.max_staleness >= 1"),
+    (["--generator.seed", "3"], "generator.seed: a job's parts take the job's seed"),
+    (["--warm_start.enabled"], "warm_start.enabled needs a task that solves its episodes"),
 ])
 def test_cross_field_errors_name_the_fields(tiny_model_dir, argv, message):
     with pytest.raises(ConfigError) as e:
-        check_job(_config(*argv), tiny_model_dir)
+        RLJob(_config(*argv)).resolve()
     assert str(e.value).startswith(message)
     assert "\n" not in str(e.value)
 
@@ -109,6 +113,21 @@ def test_cross_field_errors_name_the_fields(tiny_model_dir, argv, message):
 def test_group_size_below_two_is_rejected_before_anything_runs():
     with pytest.raises(ConfigError, match=r"rollouter.group_size must be >= 2 .*got 1"):
         _config("--rollouter.group_size", "1")
+
+
+def test_a_task_defined_only_in_tests_runs_a_real_job_from_a_toml_file(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtitan_rl.train", "--config",
+         "tests/controller/tiny_letter_job.toml", "--output_dir", str(tmp_path)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "steps=2" in proc.stdout.strip().splitlines()[-1].split()
+    metrics = read_metrics(tmp_path / "letters")
+    assert all(metrics[step]["loss/num_valid_tokens"] > 0 for step in (0, 1))
+    # the rollouts are LetterTask's episodes (its prompt text), recorded at step 0
+    assert "Write words, train prompt" in (
+        tmp_path / "letters" / "rollouts" / "rollouts.jsonl").read_text()
 
 
 def test_missing_model_directory_exits_2_with_one_line(tmp_path):

@@ -1,5 +1,5 @@
-"""The torchrun launch (controller/spmd.py): the torchrun processes are the trainer ranks (FSDP over
-them), rank 0 is also the controller and spawns the generator with Monarch."""
+"""The torchrun launch (controller/torchrun.py): the torchrun processes are the trainer ranks (FSDP
+over them), rank 0 is also the controller and spawns the generator with Monarch."""
 
 from __future__ import annotations
 
@@ -9,23 +9,12 @@ import re
 import subprocess
 import sys
 
-from torchtitan_rl.controller.run_state import latest_complete_checkpoint
+from torchtitan_rl.controller.checkpointer import latest_complete_checkpoint
 
 from tests.controller.jobs import REPO_ROOT, read_metrics
 
-# The tiny job of jobs.tiny_job, on the default AlphabetSort task (LetterTask cannot be chosen from
-# the command line). The untrained tiny model scores 0 on every rollout, so zero-spread groups are
-# kept: otherwise every step would be skipped and nothing would train.
-TINY_ARGS = [
-    "--model.size", "tiny", "--num_trainer_ranks", "2", "--trainer.num_threads", "1",
-    "--loop.num_steps", "2", "--loop.prompts_per_step", "2",
-    "--task.max_turns", "1", "--task.max_names_per_turn", "3",
-    "--rollouter.group_size", "4", "--rollouter.max_rollout_tokens", "96",
-    "--rollouter.drop_zero_std_groups", "false",
-    "--sampling.max_tokens", "12", "--generator.max_model_len", "128",
-    "--generator.kv_cache_bytes", "33554432", "--batcher.seq_len", "96",
-    "--validation.num_prompts", "2", "--checkpoint.every_steps", "1",
-]
+# The tiny job of jobs.tiny_job as a TOML file, on LetterTask (a task defined only in tests/).
+TINY_ARGS = ["--config", "tests/controller/tiny_letter_job.toml", "--num_trainer_ranks", "2"]
 
 MISMATCH_ERROR = ("error: num_trainer_ranks=1 must equal the torchrun world size WORLD_SIZE=2 "
                   "(set --num_trainer_ranks 2, or torchrun --nproc_per_node 1)")
@@ -57,7 +46,7 @@ def test_two_torchrun_ranks_train_with_fsdp_and_rank0_reports(tmp_path):
         assert f"trainer rank {rank}/2 ready: dp 2 x tp 1" in proc.stderr
     assert "trainer rank 1: stop" in proc.stderr  # the follower left its loop on rank 0's stop
 
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / "letters"
     metrics = read_metrics(run_dir)
     for step in (0, 1):
         for key in ("loss/value", "trainer/grad_norm"):
@@ -70,7 +59,7 @@ def test_two_torchrun_ranks_train_with_fsdp_and_rank0_reports(tmp_path):
 
 
 def test_world_size_other_than_num_trainer_ranks_is_one_error_line(tmp_path):
-    args = ["--model.size", "tiny", "--output_dir", str(tmp_path)]
+    args = ["--config", "tests/controller/tiny_letter_job.toml", "--output_dir", str(tmp_path)]
     # One process with the environment torchrun gives rank 0: the check runs before any group.
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "TORCHELASTIC_RUN_ID": "test"}

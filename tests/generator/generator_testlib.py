@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
-from torchtitan_rl.generator import EngineLoop, Generator, StepStats, WeightLoader
-from torchtitan_rl.types import Sampling
+from torchtitan_rl.generator import EngineLoop, Generator, StepStats
+from torchtitan_rl.types import GenerateRequest, Sampling
+from torchtitan_rl.weight_sync import WeightPuller
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -39,11 +40,12 @@ def build_engine(config: Generator.Config) -> Any:
 
 def new_loop(engine: Any, config: Generator.Config, *, steps: list[StepStats] | None = None,
              **overrides: Any) -> EngineLoop:
-    """An EngineLoop over an existing engine, started on the running event loop."""
-    loader = WeightLoader(config.model_dir)  # type: ignore[arg-type]
+    """An EngineLoop over an existing engine, started on the running event loop ('reload' pulls:
+    an in_place engine is set up by start_engine_loop, see test_generator_in_place_pull.py)."""
+    puller = WeightPuller(config.model_dir)  # type: ignore[arg-type]
     kwargs: dict[str, Any] = dict(
-        prepare_weights=loader.prepare,
-        load_weights=loader.load,
+        prepare_weights=puller.prepare,
+        apply_weights=puller.apply,
         weight_sync=config.weight_sync,
         max_engine_steps_between_decisions=config.max_engine_steps_between_decisions,
         default_sampling=config.sampling,
@@ -53,6 +55,10 @@ def new_loop(engine: Any, config: Generator.Config, *, steps: list[StepStats] | 
     loop = EngineLoop(engine, **kwargs)
     loop.start()
     return loop
+
+
+def req(request_id: str, prompt: list[int], sampling: Sampling | None = None) -> GenerateRequest:
+    return GenerateRequest(prompt_token_ids=prompt, request_id=request_id, sampling=sampling)
 
 
 def run(coro: Any, timeout_s: float = 120.0) -> Any:

@@ -7,7 +7,15 @@ import asyncio
 import random
 
 import pytest
-from generator_testlib import build_engine, greedy, raw_generate, run, tiny_config, tiny_dir
+from generator_testlib import (
+    build_engine,
+    greedy,
+    raw_generate,
+    req,
+    run,
+    tiny_config,
+    tiny_dir,
+)
 
 from torchtitan_rl.generator import spawn_generator
 from torchtitan_rl.models.qwen3 import (
@@ -38,12 +46,13 @@ def test_tp2_ranks_generate_identical_tokens_equal_to_tp1_before_and_after_a_pul
         handle = await spawn_generator(config, name="generator_tp2")
         try:
             before = await asyncio.gather(*[
-                handle.generate(p, request_id=rid, sampling=s) for rid, p, s in requests])
-            digests_before = await handle.finished_digests()
-            await handle.pull_model_state_dict(1, new_weights)
+                handle.generate(req(rid, p, s)) for rid, p, s in requests])
+            digests_before = await handle.get_finished_digests()
+            timings = await handle.pull_model_state_dict(1, new_weights)
+            assert len(timings) == 2 and all(set(t) == {"convert_s", "load_s"} for t in timings)
             after = await asyncio.gather(*[
-                handle.generate(p, request_id=f"{rid}-v1", sampling=s) for rid, p, s in requests])
-            digests_after = await handle.finished_digests()
+                handle.generate(req(f"{rid}-v1", p, s)) for rid, p, s in requests])
+            digests_after = await handle.get_finished_digests()
         finally:
             await handle.close()
         return before, digests_before, after, digests_after
@@ -52,10 +61,10 @@ def test_tp2_ranks_generate_identical_tokens_equal_to_tp1_before_and_after_a_pul
     # TP=1 reference: an in-process engine, before and after loading the same weights.
     engine = build_engine(tiny_config())
     reference_before = raw_generate(engine, requests)
-    from torchtitan_rl.generator import WeightLoader
+    from torchtitan_rl.weight_sync import WeightPuller
 
-    loader = WeightLoader(tiny_dir())
-    loader.load(engine, loader.prepare(new_weights))
+    puller = WeightPuller(tiny_dir())
+    puller.apply(engine, puller.prepare(new_weights))
     engine.set_weight_version("1")
     reference_after = raw_generate(engine, requests)
 
@@ -78,17 +87,17 @@ def test_tp1_actor_serves_generate_abort_pull_and_close() -> None:
         handle = await spawn_generator(config, name="generator_tp1")
         seen: dict = {}
         try:
-            seen["first"] = await handle.generate([5, 6, 7], request_id="first", sampling=greedy(8))
+            seen["first"] = await handle.generate(req("first", [5, 6, 7], greedy(8)))
             # The handle sends at call time and one caller's messages start in order: the
             # generate is registered before the abort.
-            long = handle.generate([8, 9], request_id="long", sampling=greedy(400))
+            long = handle.generate(req("long", [8, 9], greedy(400)))
             seen["num_aborted"] = await handle.abort(None)
             seen["long"] = await long
             await handle.pull_model_state_dict(3, _scaled_torchtitan_weights(1.5))
-            seen["version"] = await handle.policy_version()
-            seen["pulled"] = await handle.generate([5, 6, 7], request_id="pulled", sampling=greedy(8))
-            pending = handle.generate([8, 9], request_id="pending", sampling=greedy(400))
-            seen["inflight_before_close"] = await handle.num_inflight_requests()
+            seen["version"] = await handle.get_policy_version()
+            seen["pulled"] = await handle.generate(req("pulled", [5, 6, 7], greedy(8)))
+            pending = handle.generate(req("pending", [8, 9], greedy(400)))
+            seen["inflight_before_close"] = await handle.count_inflight_requests()
         finally:
             await handle.close()
         with pytest.raises(Exception, match="closed before the request finished"):

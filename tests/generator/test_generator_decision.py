@@ -136,3 +136,17 @@ def test_weight_sync_policy_rejects_invalid_combinations_in_one_line() -> None:
 def test_generator_config_names_the_bad_field(field: str, value: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Generator.Config(**{field: value})
+
+
+def test_in_place_load_is_refused_where_it_cannot_work_in_one_line() -> None:
+    in_place = WeightSyncPolicy(load="in_place")
+    with pytest.raises(ValueError, match=r"weight_sync\.load='in_place' needs "
+                                         r"tensor_parallel_degree=1") as info:
+        Generator.Config(tensor_parallel_degree=2, weight_sync=in_place)
+    assert "\n" not in str(info.value) and "weight_sync.load='reload'" in str(info.value)
+    with pytest.raises(ValueError, match="enforce_eager=False"):
+        Generator.Config(enforce_eager=False, weight_sync=in_place)
+    with pytest.raises(ValueError, match="weight_sync.load must be one of"):
+        WeightSyncPolicy(load="copy")  # type: ignore[arg-type]
+    assert Generator.Config(weight_sync=in_place).weight_sync.load == "in_place"
+    assert WeightSyncPolicy().load == "reload"

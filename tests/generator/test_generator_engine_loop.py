@@ -10,7 +10,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from generator_testlib import build_engine, greedy, new_loop, raw_generate, run, tiny_config
+from generator_testlib import (
+    build_engine,
+    greedy,
+    new_loop,
+    raw_generate,
+    req,
+    run,
+    tiny_config,
+)
 
 from torchtitan_rl.generator import StepStats
 from torchtitan_rl.types import Completion, Sampling
@@ -40,7 +48,7 @@ def test_200_concurrent_generates_resolve_with_the_raw_engine_tokens(engine: Any
     async def scenario() -> list[Completion | None]:
         loop = new_loop(engine, CONFIG)
         completions = await asyncio.gather(*[
-            loop.generate(prompt, request_id=rid, sampling=sampling)
+            loop.generate(req(rid, prompt, sampling))
             for rid, prompt, sampling in requests
         ])
         assert loop.num_inflight_requests == 0
@@ -74,10 +82,10 @@ def test_request_submitted_while_others_run_joins_the_running_batch(engine: Any)
             steps.append(stats)
             if stats.step_index == 2:  # "a" is running: submit "b"
                 late.append(asyncio.create_task(
-                    loop.generate(prompt_b, request_id="b", sampling=greedy(5))))
+                    loop.generate(req("b", prompt_b, greedy(5)))))
 
         loop = new_loop(engine, CONFIG, on_step=on_step)
-        a = await loop.generate(prompt_a, request_id="a", sampling=greedy(40))
+        a = await loop.generate(req("a", prompt_a, greedy(40)))
         b = await late[0]
         await loop.close()
         return a, b
@@ -103,7 +111,7 @@ def test_abort_returns_the_tokens_generated_so_far(engine: Any) -> None:
                 aborts.append(asyncio.create_task(loop.abort(["long"])))
 
         loop = new_loop(engine, CONFIG, on_step=on_step)
-        completion = await loop.generate(prompt, request_id="long", sampling=greedy(60))
+        completion = await loop.generate(req("long", prompt, greedy(60)))
         assert await aborts[0] == 1
         assert await loop.abort(["never-submitted"]) == 0
         await loop.close()
@@ -129,13 +137,13 @@ def test_close_with_requests_pending_fails_them_with_a_clear_error(engine: Any) 
 
         loop = new_loop(engine, CONFIG, on_step=on_step)
         results = await asyncio.gather(
-            *[loop.generate([40 + i, 41], request_id=f"p{i}", sampling=greedy(400))
+            *[loop.generate(req(f"p{i}", [40 + i, 41], greedy(400)))
               for i in range(5)],
             return_exceptions=True,
         )
         await closing[0]
         with pytest.raises(RuntimeError, match="closed"):
-            await loop.generate([1, 2], request_id="late", sampling=greedy(2))
+            await loop.generate(req("late", [1, 2], greedy(2)))
         return results
 
     results = run(scenario())
@@ -174,12 +182,12 @@ def test_injected_engine_error_fails_every_outstanding_future(engine: Any) -> No
     async def scenario() -> list[Any]:
         loop = new_loop(faulty, CONFIG)
         results = await asyncio.gather(
-            *[loop.generate([50 + i, 51], request_id=f"f{i}", sampling=greedy(50))
+            *[loop.generate(req(f"f{i}", [50 + i, 51], greedy(50)))
               for i in range(10)],
             return_exceptions=True,
         )
         with pytest.raises(RuntimeError, match="engine loop stopped.*injected engine failure"):
-            await loop.generate([1, 2], request_id="after", sampling=greedy(2))
+            await loop.generate(req("after", [1, 2], greedy(2)))
         await loop.close()
         return results
 
@@ -192,10 +200,10 @@ def test_a_request_vllm_refuses_fails_alone(engine: Any) -> None:
     async def scenario() -> list[Any]:
         loop = new_loop(engine, CONFIG)
         with pytest.raises(ValueError, match="empty"):
-            await loop.generate([], request_id="empty", sampling=greedy(2))
+            await loop.generate(req("empty", [], greedy(2)))
         results = await asyncio.gather(
-            loop.generate([5, 6], request_id="good", sampling=greedy(3)),
-            loop.generate([5, 5000], request_id="bad", sampling=greedy(3)),  # vocab is 1024
+            loop.generate(req("good", [5, 6], greedy(3))),
+            loop.generate(req("bad", [5, 5000], greedy(3))),  # vocab is 1024
             return_exceptions=True,
         )
         await loop.close()

@@ -21,18 +21,20 @@ from generator_testlib import (
     perturbed_model_dir,
     raw_generate,
     replace,
+    req,
     run,
     tiny_config,
     tiny_dir,
 )
 
-from torchtitan_rl.generator import StepStats, WeightLoader, WeightSyncPolicy
+from torchtitan_rl.generator import StepStats, WeightSyncPolicy
 from torchtitan_rl.models.qwen3 import (
     load_hf_state_dict,
     torchtitan_qwen3_config,
     torchtitan_state_dict_from_hf,
 )
 from torchtitan_rl.types import Completion
+from torchtitan_rl.weight_sync import WeightPuller
 
 CONFIG = tiny_config()
 PROMPTS = [[5, 6, 7], [100, 200, 300, 400], [9], [17, 18, 19, 20, 21, 22]]
@@ -61,8 +63,8 @@ def fresh_engine(new_weights: tuple[pathlib.Path, dict[str, Any]]) -> Any:
 @pytest.fixture(autouse=True)
 def original_weights(engine: Any) -> None:
     """Every test starts from the model dir's weights."""
-    loader = WeightLoader(tiny_dir())
-    loader.load(engine, loader.prepare(load_hf_state_dict(tiny_dir())))
+    puller = WeightPuller(tiny_dir())
+    puller.apply(engine, puller.prepare(load_hf_state_dict(tiny_dir())))
 
 
 def _greedy_requests(tag: str, max_tokens: int = 16) -> list[tuple[str, list[int], Any]]:
@@ -71,7 +73,7 @@ def _greedy_requests(tag: str, max_tokens: int = 16) -> list[tuple[str, list[int
 
 async def _generate_all(loop: Any, requests: list[tuple[str, list[int], Any]]) -> list[Completion]:
     return await asyncio.gather(*[
-        loop.generate(prompt, request_id=rid, sampling=sampling) for rid, prompt, sampling in requests
+        loop.generate(req(rid, prompt, sampling)) for rid, prompt, sampling in requests
     ])
 
 
@@ -119,7 +121,7 @@ def test_hot_swap_mid_generation_continues_with_the_new_weights(
                 pulls.append(asyncio.create_task(loop.pull_model_state_dict(1, new_weights[1])))
 
         loop = new_loop(engine, CONFIG, on_step=on_step)
-        completion = await loop.generate(prompt, request_id="swap", sampling=greedy(max_tokens))
+        completion = await loop.generate(req("swap", prompt, greedy(max_tokens)))
         await pulls[0]
         await loop.close()
         return completion
@@ -152,13 +154,13 @@ def test_drain_finishes_running_requests_before_the_pull_and_holds_new_ones(
             if stats.step_index == 2:  # tasks start in this order: pull, then two requests, abort
                 tasks.append(asyncio.create_task(loop.pull_model_state_dict(1, new_weights[1])))
                 tasks.append(asyncio.create_task(
-                    loop.generate([70, 71], request_id="held", sampling=greedy(6))))
+                    loop.generate(req("held", [70, 71], greedy(6)))))
                 tasks.append(asyncio.create_task(
-                    loop.generate([80, 81], request_id="dropped", sampling=greedy(6))))
+                    loop.generate(req("dropped", [80, 81], greedy(6)))))
                 tasks.append(asyncio.create_task(loop.abort(["dropped"])))
 
         loop = new_loop(engine, config, on_step=on_step)
-        running = await loop.generate([60, 61], request_id="running", sampling=greedy(20))
+        running = await loop.generate(req("running", [60, 61], greedy(20)))
         rest = [await task for task in tasks]
         await loop.close()
         return running, rest
@@ -189,7 +191,7 @@ def test_bad_state_dicts_are_refused_before_reaching_the_engine(
         with pytest.raises(ValueError, match="must be > 0"):
             await loop.pull_model_state_dict(0, state_dict)
         await loop.pull_model_state_dict(2, state_dict)
-        completion = await loop.generate([5, 6], request_id="alive", sampling=greedy(3))
+        completion = await loop.generate(req("alive", [5, 6], greedy(3)))
         await loop.close()
         return completion
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchtitan_rl.rollout import EnvStep, Message, MessageEnv
-from torchtitan_rl.types import Completion, Sampling
+from torchtitan_rl.types import Completion, GenerateRequest, Sampling
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -55,9 +55,11 @@ class ScriptedGenerate:
         self.add_eos = add_eos
         self.calls: list[Call] = []
 
-    async def __call__(self, prompt_token_ids: list[int], *, request_id: str, session_id: str,
-                       sampling: Sampling) -> Completion | None:
-        self.calls.append(Call(list(prompt_token_ids), request_id, session_id, sampling))
+    async def __call__(self, request: GenerateRequest) -> Completion | None:
+        prompt_token_ids, request_id = request.prompt_token_ids, request.request_id
+        assert request.session_id is not None and request.sampling is not None
+        sampling = request.sampling
+        self.calls.append(Call(list(prompt_token_ids), request_id, request.session_id, sampling))
         answer = self.reply(request_id, prompt_token_ids)
         if answer is None:
             return None

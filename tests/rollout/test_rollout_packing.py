@@ -88,7 +88,7 @@ def test_packing_keeps_nan_logprobs_as_given() -> None:
 def test_packing_excluded_rollout_and_dropped_group_give_nothing() -> None:
     turns = [_turn(0, [1], [2])]
     assert rollout_to_training_samples(_rollout(turns, advantage=None)) == []
-    group = RolloutGroup(group_id=3, sample={"episode_id": "x"},
+    group = RolloutGroup(group_id=3, episode={"episode_id": "x"},
                          rollouts=[_rollout(turns)], dropped=True, drop_reason="zero_std")
     assert rollout_group_to_training_samples(group) == []
     group.dropped = False

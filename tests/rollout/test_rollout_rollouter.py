@@ -31,10 +31,10 @@ def _rollout_index(request_id: str) -> int:
 def test_rollouter_group_ids_seeds_rewards_and_advantages() -> None:
     # rollouts 0 and 1 say "yes" every turn, 2 and 3 never do
     gen = ScriptedGenerate(lambda rid, _: "yes" if _rollout_index(rid) < 2 else "no")
-    rollouter = _rollouter(lambda sample: CountingEnv(sample["turns"]))
+    rollouter = _rollouter(lambda episode: CountingEnv(episode["turns"]))
     group = run(rollouter.run_group_rollouts(gen, {"episode_id": "e1", "turns": 3}, 11,
                                              sampling=Sampling(max_tokens=8, seed=100)))
-    assert group.group_id == 11 and group.sample["episode_id"] == "e1"
+    assert group.group_id == 11 and group.episode["episode_id"] == "e1"
     assert [r.status for r in group.rollouts] == [RolloutStatus.COMPLETED] * 4
     assert group.rewards == [3.0, 3.0, 0.0, 0.0]  # default score: sum of the reward parts
     assert group.advantages == [1.5, 1.5, -1.5, -1.5]
@@ -181,9 +181,8 @@ def test_rollouter_counts_drift_but_keeps_the_generated_tokens() -> None:
     assert tok.encode("yes", add_special_tokens=False) != byte_ids
 
     class ByteGenerate(ScriptedGenerate):
-        async def __call__(self, prompt_token_ids, *, request_id, session_id, sampling):  # type: ignore[no-untyped-def, override]
-            c = await super().__call__(prompt_token_ids, request_id=request_id,
-                                       session_id=session_id, sampling=sampling)
+        async def __call__(self, request):  # type: ignore[no-untyped-def, override]
+            c = await super().__call__(request)
             c.token_ids = byte_ids + [tok.eos_token_id]
             c.token_logprobs = [-0.1] * len(c.token_ids)
             c.token_policy_versions = [1] * len(c.token_ids)
@@ -245,7 +244,7 @@ def test_rollouter_config_errors_name_the_field() -> None:
 def test_rollouter_generate_failure_fails_the_group_and_closes_every_env() -> None:
     envs: list[CountingEnv] = []
 
-    def make_env(sample: object) -> CountingEnv:
+    def make_env(episode: object) -> CountingEnv:
         envs.append(CountingEnv(3))
         return envs[-1]
 

@@ -25,7 +25,7 @@ from torchtitan_rl.rollout import (
     rollout_group_to_training_samples,
     rollout_metrics,
 )
-from torchtitan_rl.types import Completion, Sampling
+from torchtitan_rl.types import Completion, GenerateRequest, Sampling
 
 GROUP_SIZE = 8
 MAX_TOKENS = 16
@@ -45,9 +45,12 @@ class EngineGenerate:
         self.max_in_flight = 0
         self._wakeup: asyncio.Event | None = None
 
-    async def __call__(self, prompt_token_ids: list[int], *, request_id: str, session_id: str,
-                       sampling: Sampling) -> Completion | None:
+    async def __call__(self, request: GenerateRequest) -> Completion | None:
         from vllm import SamplingParams
+
+        prompt_token_ids, request_id, sampling = (
+            request.prompt_token_ids, request.request_id, request.sampling)
+        assert sampling is not None, "the Rollouter always passes a Sampling"
 
         assert self._wakeup is not None, "serve() must run"
         future: asyncio.Future[Completion | None] = asyncio.get_running_loop().create_future()

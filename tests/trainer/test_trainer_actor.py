@@ -16,39 +16,50 @@ from monarch.actor import Actor, endpoint, this_host
 from torchtitan_rl.generator.generator import Generator
 from torchtitan_rl.generator.launch import spawn_generator
 from torchtitan_rl.trainer.batcher import Batcher
-from torchtitan_rl.trainer.client import push_weights, rank0_value, train_step
-from torchtitan_rl.trainer.trainer import PolicyTrainer, spawn_policy_trainer
-from torchtitan_rl.types import Sampling, TrainingSample
+from torchtitan_rl.trainer.trainer import PolicyTrainer, rank0_value, spawn_policy_trainer
+from torchtitan_rl.types import GenerateRequest, Sampling, TrainingSample
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
 PROMPTS = [[5, 17, 99, 250, 31], [400, 12, 7]]
 
 
+async def train_step(trainer, batch) -> dict[str, float]:
+    """One optimizer step on the whole trainer mesh: forward_backward, then optim_step."""
+    metrics = dict(rank0_value(await trainer.forward_backward.call(batch)))
+    metrics.update(rank0_value(await trainer.optim_step.call()))
+    return metrics
+
+
+async def push_weights(trainer, generators, version: int, *, verify: bool = False,
+                       transport: str | None = None) -> dict[str, float]:
+    return rank0_value(await trainer.push_weights.call(generators, version, verify, transport))
+
+
 class EngineActor(Actor):
-    """A minimal generator for this test: a float32 vLLM engine that takes weight pushes through
-    the generator's WeightLoader and reads its weights back for verification."""
+    """A minimal generator for this test: a float32 vLLM engine that pulls weight pushes through
+    weight_sync's WeightPuller and reads its weights back for verification."""
 
     def __init__(self, model_dir: str) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         torch.set_num_threads(1)
-        from torchtitan_rl.generator.weight_loader import WeightLoader
+        from torchtitan_rl.weight_sync import WeightPuller
 
         self.engine = _engine(model_dir)
-        self.loader = WeightLoader(model_dir)
+        self.puller = WeightPuller(model_dir)
         self.version = 0
 
     @endpoint
     async def pull_model_state_dict(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
-        self.loader.load(self.engine, self.loader.prepare(state_dict))
+        self.puller.apply(self.engine, self.puller.prepare(state_dict))
         self.engine.reset_prefix_cache()
         self.version = version
 
     @endpoint
     async def read_hf_weights(self) -> dict[str, torch.Tensor]:
-        from torchtitan_rl.trainer.vllm_weights import read_vllm_hf_weights, vllm_model
+        from torchtitan_rl.weight_sync import read_hf_weights
 
-        return read_vllm_hf_weights(vllm_model(self.engine))
+        return read_hf_weights(self.engine)
 
     @endpoint
     async def greedy(self, model_dir: str | None = None) -> list[list[int]]:
@@ -105,7 +116,7 @@ async def _scenario(model_dir: pathlib.Path, export_dir: pathlib.Path) -> dict:
     try:
         trainer = await spawn_policy_trainer(trainer_procs, config, model_dir=model_dir)
         generators = generator_procs.spawn("engine", EngineActor, str(model_dir))
-        dp_size = rank0_value(await trainer.dp_size.call())
+        dp_size = rank0_value(await trainer.get_dp_size.call())
         batch = Batcher.Config(seq_len=32).build(dp_size=dp_size).pack(_samples())
         before = rank0_value(await generators.greedy.call())
         step = await train_step(trainer, batch)
@@ -124,7 +135,8 @@ async def _scenario(model_dir: pathlib.Path, export_dir: pathlib.Path) -> dict:
             await push_weights(trainer, real.actors, version=2, transport="shared_memory")
             greedy = Sampling(max_tokens=10, temperature=0.0)
             real_after = [
-                (await real.generate(p, request_id=f"r{i}", sampling=greedy)).token_ids
+                (await real.generate(GenerateRequest(
+                    prompt_token_ids=p, request_id=f"r{i}", sampling=greedy))).token_ids
                 for i, p in enumerate(PROMPTS)
             ]
         finally:

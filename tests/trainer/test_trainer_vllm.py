@@ -11,15 +11,15 @@ import torch
 
 from torchtitan_rl.trainer.batcher import Batcher
 from torchtitan_rl.trainer.core import PolicyTrainerCore
-from torchtitan_rl.trainer.vllm_weights import (
-    load_hf_weights_inplace,
+from torchtitan_rl.types import TrainingSample
+from torchtitan_rl.weight_sync.pull import (
+    WeightPuller,
+    load_hf_weights_in_place,
     read_vllm_hf_weights,
-    reload_vllm_weights,
     unpack_cpu_linears,
     vllm_model,
     weight_mismatches,
 )
-from torchtitan_rl.types import TrainingSample
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 17, 99, 250, 31], [400, 12, 7], [3, 3, 600, 701, 702, 9, 44]]
@@ -72,7 +72,9 @@ def pushed(tmp_path_factory):
     core.export_hf(export_dir)
     engine = _engine(model_dir)
     before = [o.token_ids for o in _generate(engine, temperature=0.0)]
-    reload_vllm_weights(engine, hf_sd)
+    puller = WeightPuller(model_dir)
+    puller.apply(engine, puller.prepare(hf_sd))
+    engine.reset_prefix_cache()
     return {"core": core, "hf_sd": hf_sd, "engine": engine, "fresh": _engine(export_dir),
             "before": before, "model_dir": model_dir}
 
@@ -115,16 +117,16 @@ def test_trainer_inplace_load_into_unpacked_engine_is_bitwise_and_generates_like
     model = vllm_model(engine)
     unpack_cpu_linears(model)
     assert model.model.layers[0].self_attn.qkv_proj.weight.numel() > 0
-    load_hf_weights_inplace(model, load_hf_state_dict(pushed["model_dir"]))
+    load_hf_weights_in_place(model, load_hf_state_dict(pushed["model_dir"]))
     engine.reset_prefix_cache()
     assert [o.token_ids for o in _generate(engine, temperature=0.0)] == pushed["before"]
-    load_hf_weights_inplace(model, pushed["hf_sd"])
+    load_hf_weights_in_place(model, pushed["hf_sd"])
     engine.reset_prefix_cache()
     assert weight_mismatches(pushed["hf_sd"], read_vllm_hf_weights(model), tied=True) == []
     after = [o.token_ids for o in _generate(engine, temperature=0.0)]
     assert after == [o.token_ids for o in _generate(pushed["fresh"], temperature=0.0)]
     with pytest.raises(ValueError, match="state dict has no"):
-        load_hf_weights_inplace(model, {"model.norm.weight": pushed["hf_sd"]["model.norm.weight"]})
+        load_hf_weights_in_place(model, {"model.norm.weight": pushed["hf_sd"]["model.norm.weight"]})
 
 
 def test_trainer_logprobs_match_vllm_float32(pushed):

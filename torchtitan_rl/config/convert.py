@@ -1,8 +1,17 @@
 """Typed conversion between config dataclass trees and plain data (TOML tables, CLI strings).
 
 Every failure raises ``ConfigError`` naming the full dotted key, what was expected and what was given;
-an unknown key also names the closest valid key. Conversion is strict: TOML already carries types, so
-a string is never silently turned into a number, and a bool is never accepted as an int.
+an unknown key also names the closest valid key, and a key that moved says where it went (a config
+class lists those in ``moved_keys``). Conversion is strict: TOML already carries types, so a string
+is never silently turned into a number, and a bool is never accepted as an int.
+
+Polymorphic fields: a field annotated with a config class whose ``polymorphic`` class attribute is
+true (e.g. the job's ``task``) holds any subclass of it. Its table names the concrete class in a
+``type`` key, an import path ``package.module:Class`` of a `Configurable` (or of its Config):
+
+    [task]
+    type = "examples.alphabet_sort:AlphabetSortTask"
+    max_turns = 2
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ import dataclasses
 import difflib
 import enum
 import functools
+import importlib
 import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
@@ -66,6 +76,45 @@ def unknown_key_error(path: str, valid_paths: list[str], where: str = "") -> Con
     hint = closest_key(path, valid_paths)
     suffix = f"; did you mean '{hint}'?" if hint else ""
     return ConfigError(f"unknown config key '{path}'{where}{suffix}")
+
+
+TYPE_KEY = "type"
+
+
+def is_polymorphic(tp: Any) -> bool:
+    return is_config_class(tp) and bool(getattr(tp, "polymorphic", False))
+
+
+def type_path_of(config: Any) -> str:
+    """The ``type`` value naming ``config``'s class (its owner's, for a Configurable's Config)."""
+    cls = getattr(type(config), "_owner", None) or type(config)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def import_config_class(type_path: Any, base: type, path: str) -> type:
+    """The config class named by ``type_path``, checked to be a subclass of ``base``."""
+    if not isinstance(type_path, str) or not type_path:
+        raise ConfigError(f"{path}: expected an import path 'package.module:Class', got "
+                          f"{type_path!r}")
+    module_name, _, qualname = type_path.partition(":")
+    if not qualname:
+        module_name, _, qualname = type_path.rpartition(".")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot import {type_path!r} ({e})") from None
+    config_cls = getattr(obj, "Config", obj)
+    if not (isinstance(config_cls, type) and issubclass(config_cls, base)):
+        raise ConfigError(f"{path}: {type_path!r} is not a {base.__qualname__} (its Config must "
+                          f"subclass {base.__module__}.{base.__qualname__})")
+    return config_cls
+
+
+def moved_key_hint(cls: type, key: str) -> str | None:
+    """What to write instead of ``key``, when ``cls`` lists it as moved or removed."""
+    return (getattr(cls, "moved_keys", None) or {}).get(key)
 
 
 def from_data(tp: Any, value: Any, path: str) -> Any:
@@ -148,11 +197,20 @@ def dataclass_from_data(cls: type, data: dict[str, Any], path: str = "", base: A
     for key, value in data.items():
         key_path = f"{path}.{key}" if path else key
         if key not in fields:
+            hint = moved_key_hint(cls, key)
+            if hint is not None:
+                raise ConfigError(f"{key_path}: {hint}")
             valid = [f"{path}.{name}" if path else name for name in fields]
             raise unknown_key_error(key_path, valid)
         tp, _ = fields[key]
         sub_base = getattr(base, key, None) if base is not None else None
-        if is_config_class(tp) and isinstance(value, dict) and sub_base is not None:
+        if is_polymorphic(tp) and isinstance(value, dict):
+            value = dict(value)
+            concrete = (import_config_class(value.pop(TYPE_KEY), tp, f"{key_path}.{TYPE_KEY}")
+                        if TYPE_KEY in value else type(sub_base) if sub_base is not None else tp)
+            kept = sub_base if type(sub_base) is concrete else None
+            kwargs[key] = dataclass_from_data(concrete, value, key_path, base=kept)
+        elif is_config_class(tp) and isinstance(value, dict) and sub_base is not None:
             kwargs[key] = dataclass_from_data(tp, value, key_path, base=sub_base)
         else:
             kwargs[key] = from_data(tp, value, key_path)
@@ -219,6 +277,8 @@ def to_data(value: Any) -> Any:
     """A config tree as plain TOML-able data. ``None`` fields are omitted (TOML has no null)."""
     if is_config_class(type(value)):
         out = {}
+        if is_polymorphic(type(value)) and getattr(type(value), "_owner", None) is not None:
+            out[TYPE_KEY] = type_path_of(value)
         for name, _, _ in resolved_fields(type(value)):
             v = getattr(value, name)
             if v is not None:
@@ -233,9 +293,15 @@ def to_data(value: Any) -> Any:
     return value
 
 
-def leaf_paths(cls: type, prefix: str = "") -> dict[str, Any]:
-    """Every scalar/list leaf of a config class as ``{dotted.path: type}`` (for the CLI)."""
+def leaf_paths(cls: type, prefix: str = "", instance: Any = None) -> dict[str, Any]:
+    """Every scalar/list leaf of a config class as ``{dotted.path: type}`` (for the CLI). With
+    ``instance``, a polymorphic field contributes the leaves of the class it holds, plus its
+    ``type`` key."""
     out: dict[str, Any] = {}
+    if is_polymorphic(cls):
+        out[f"{prefix}.{TYPE_KEY}" if prefix else TYPE_KEY] = str
+        if instance is not None:
+            cls = type(instance)
     for name, tp, _ in resolved_fields(cls):
         path = f"{prefix}.{name}" if prefix else name
         inner = [a for a in get_args(tp) if a is not _NONE_TYPE] if get_origin(tp) in (
@@ -243,7 +309,30 @@ def leaf_paths(cls: type, prefix: str = "") -> dict[str, Any]:
             types.UnionType,
         ) else [tp]
         if len(inner) == 1 and is_config_class(inner[0]):
-            out.update(leaf_paths(inner[0], path))
+            child = getattr(instance, name, None) if instance is not None else None
+            out.update(leaf_paths(inner[0], path, child))
         else:
             out[path] = tp
+    return out
+
+
+def moved_paths(cls: type, prefix: str = "") -> dict[str, str]:
+    """``{dotted.path: hint}`` of every moved or removed key in a config class tree."""
+    out = {f"{prefix}.{k}" if prefix else k: v
+           for k, v in (getattr(cls, "moved_keys", None) or {}).items()}
+    for name, tp, _ in resolved_fields(cls):
+        if is_config_class(tp):
+            out.update(moved_paths(tp, f"{prefix}.{name}" if prefix else name))
+    return out
+
+
+def polymorphic_type_paths(cls: type, prefix: str = "") -> list[str]:
+    """The dotted ``type`` keys of every polymorphic field in a config class tree."""
+    out: list[str] = []
+    for name, tp, _ in resolved_fields(cls):
+        path = f"{prefix}.{name}" if prefix else name
+        if is_polymorphic(tp):
+            out.append(f"{path}.{TYPE_KEY}")
+        elif is_config_class(tp):
+            out += polymorphic_type_paths(tp, path)
     return out

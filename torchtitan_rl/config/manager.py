@@ -1,11 +1,15 @@
 """Resolve a run's config from its layers: defaults < TOML file < command-line overrides.
 
     python -m torchtitan_rl.train --config run_configs/alphabet_sort_cpu.toml \\
-        --trainer.optimizer.lr 1e-5 --checkpoint.resume --print-config
+        --trainer.optimizer.lr 1e-5 --checkpoint.resume must --print-config
 
 Overrides are dotted paths into the config tree, typed by the dataclass annotations (lists are
-comma-separated, a bare bool flag means true). ``--print-config`` prints the resolved tree as TOML,
-which loads back to an equal config.
+comma-separated, a bare bool flag means true). ``--print-config`` prints the tree the user wrote
+(defaults < TOML < CLI) as TOML, which loads back to an equal config; ``--print-resolved`` prints
+what each part of the run gets (see controller/job.py).
+
+A polymorphic field's ``type`` (``--task.type``) is applied before the other overrides, so the
+command line can set the settings of the class it names.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import tomli_w
 from torchtitan_rl.config.convert import (
     dataclass_from_data,
     leaf_paths,
+    moved_paths,
+    polymorphic_type_paths,
     parse_cli_value,
     to_data,
     type_name,
@@ -43,6 +49,7 @@ class ParsedArgs:
     config: Any
     """The fully resolved root config."""
     print_config: bool = False
+    print_resolved: bool = False
     config_file: str | None = None
 
 
@@ -91,34 +98,53 @@ def parse_args(
     root_cls: type[ConfigT], argv: list[str], defaults: ConfigT | None = None
 ) -> ParsedArgs:
     """Resolve ``argv`` into a root config of type ``root_cls`` (raises ConfigError)."""
-    leaves = leaf_paths(root_cls)
+    config = defaults if defaults is not None else root_cls()
+    # First pass: the TOML file and the polymorphic ``type`` keys, which decide the other keys.
+    type_keys = polymorphic_type_paths(root_cls)
+    first = _parser(root_cls, {p: str for p in type_keys})
+    args, _ = first.parse_known_args(argv)
+    if args._config_file:
+        config = dataclass_from_data(root_cls, load_toml(args._config_file), base=config)
+    types_given = {p: getattr(args, p) for p in type_keys if getattr(args, p) is not None}
+    if types_given:
+        config = apply_overrides(config, types_given)
+
+    leaves = leaf_paths(root_cls, instance=config)
+    parser = _parser(root_cls, leaves)
+    args, unknown = parser.parse_known_args(argv)
+    for token in unknown:
+        if token.startswith("--"):
+            key = token[2:].split("=", 1)[0]
+            hint = moved_paths(root_cls).get(key)
+            if hint is not None:
+                raise ConfigError(f"{key} (command line): {hint}")
+            raise unknown_key_error(key, list(leaves), where=" (command line)")
+        raise ConfigError(f"unexpected command-line argument {token!r}")
+    overrides = {
+        path: parse_cli_value(leaves[path], getattr(args, path), path)
+        for path in leaves
+        if getattr(args, path) is not None and path not in types_given
+    }
+    if overrides:
+        config = apply_overrides(config, overrides)
+    return ParsedArgs(
+        config=config, print_config=args._print_config, print_resolved=args._print_resolved,
+        config_file=args._config_file,
+    )
+
+
+def _parser(root_cls: type, leaves: dict[str, Any]) -> _RaisingArgumentParser:
     parser = _RaisingArgumentParser(
         prog="python -m torchtitan_rl.train", allow_abbrev=False, add_help=True
     )
     parser.add_argument("--config", dest="_config_file", metavar="TOML", default=None)
-    parser.add_argument("--print-config", dest="_print_config", action="store_true")
+    parser.add_argument("--print-config", dest="_print_config", action="store_true",
+                        help="print the config as written (defaults < TOML < CLI) and exit")
+    parser.add_argument("--print-resolved", dest="_print_resolved", action="store_true",
+                        help="print what each part of the run gets, resolved, and exit")
     for path, tp in leaves.items():
         kwargs: dict[str, Any] = dict(dest=path, default=None, metavar=type_name(tp))
         if tp is bool:
             kwargs.update(nargs="?", const="true")
         parser.add_argument(f"--{path}", **kwargs)
-    args, unknown = parser.parse_known_args(argv)
-    for token in unknown:
-        if token.startswith("--"):
-            key = token[2:].split("=", 1)[0]
-            raise unknown_key_error(key, list(leaves), where=" (command line)")
-        raise ConfigError(f"unexpected command-line argument {token!r}")
-
-    config = defaults if defaults is not None else root_cls()
-    if args._config_file:
-        config = dataclass_from_data(root_cls, load_toml(args._config_file), base=config)
-    overrides = {
-        path: parse_cli_value(leaves[path], getattr(args, path), path)
-        for path in leaves
-        if getattr(args, path) is not None
-    }
-    if overrides:
-        config = apply_overrides(config, overrides)
-    return ParsedArgs(
-        config=config, print_config=args._print_config, config_file=args._config_file
-    )
+    return parser

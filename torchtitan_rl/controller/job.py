@@ -3,84 +3,61 @@
     RLJob.Config
     ├── model         ModelSource        local HF dir, or one of our offline sizes
     ├── warm_start    WarmStart          supervised warm start on solved training episodes (cached)
-    ├── task          AlphabetSortTask   datasets (train / validation) and the env factory
+    ├── task          TaskConfig         any task class, named by `type` (torchtitan_rl/task.py)
     ├── rollouter     Rollouter          group size, turn cap, token budget, advantages
     ├── sampling      Sampling           rollout sampling
     ├── generator     Generator          vLLM actor (x num_generators meshes, TP procs each)
     ├── router        GeneratorRouter    request routing over the generators
     ├── trainer       PolicyTrainer      torchtitan Qwen3, optimizer, GRPO loss (x num_trainer_ranks)
     ├── batcher       Batcher            samples -> [microbatch][dp] rows of seq_len
-    ├── loop          sync | async, steps, prompts per step, partial rollouts
-    ├── async_loop    AsyncLoop          staleness bound
+    ├── loop          TrainingLoop       steps, groups per step, staleness, partial rollouts
     ├── validation    Validator
-    ├── checkpoint    every K steps, resume
+    ├── checkpoint    Checkpointer       every K steps, resume, HF export
     ├── metrics       MetricsLogger      TensorBoard + JSONL
     └── recorder      RolloutRecorder    rollout JSONL
 
-Flow of `RLJob.run()`: resolve model (+ warm start) -> cross-field checks -> spawn meshes -> load
-checkpoint or validate "before" -> sync or async loop -> validate "after" -> HF export, reward
-curve PNG -> summary line ``reward_before=... reward_after=... steps=... wall_s=...``.
+    RLJob(config).run():
+        resolve() -> ResolvedJob (checked)        nothing spawned yet; --print-resolved stops here
+        run folder (resume or fresh) -> model dir (made, warm-started: cached)
+        build_parts(plan) -> RunParts             spawn.py: meshes and every part
+        resume: restore checkpoint, push its weights
+        TrainingLoop.run()                        loop.py: validate, steps, validate
+        HF export, reward curve PNG -> summary ``reward_before=... reward_after=... steps=...``
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
 import pathlib
-from typing import Any, Literal
+import time
+from typing import Any
 
-from examples.alphabet_sort.task import AlphabetSortTask
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.config.convert import to_data
 from torchtitan_rl.config.errors import ConfigError
-from torchtitan_rl.controller.async_loop import AsyncLoop
+from torchtitan_rl.controller.checkpointer import Checkpointer, ControllerState
+from torchtitan_rl.controller.loop import TrainingLoop
 from torchtitan_rl.controller.model_source import ModelSource
+from torchtitan_rl.controller.parts import RunParts
+from torchtitan_rl.controller.resolved_job import ResolvedJob
 from torchtitan_rl.controller.router import GeneratorRouter
+from torchtitan_rl.controller.spawn import SpawnTrainerRanks, build_parts
+from torchtitan_rl.controller.supervision import MeshFailureWatch, RunFailedError
 from torchtitan_rl.controller.validation import Validator
 from torchtitan_rl.controller.warm_start import WarmStart
-from torchtitan_rl.generator.generator import Generator
+from torchtitan_rl.generator import Generator
 from torchtitan_rl.metrics.logger import MetricsLogger
 from torchtitan_rl.rollout.recorder import RolloutRecorder
 from torchtitan_rl.rollout.rollouter import Rollouter
+from torchtitan_rl.task import SupervisedTask, TaskConfig
 from torchtitan_rl.trainer.batcher import Batcher
 from torchtitan_rl.trainer.trainer import PolicyTrainer
 from torchtitan_rl.types import Sampling
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class LoopConfig:
-    mode: Literal["sync", "async"] = "sync"
-    """sync: generate, then train, every step. async: generation never waits for training, within
-    the staleness bound of `async_loop.staleness.max_staleness`."""
-    num_steps: int = 10
-    """Optimizer steps to run."""
-    prompts_per_step: int = 8
-    """Prompt groups consumed by one training step (each `rollouter.group_size` rollouts)."""
-    partial_rollout: Literal["none", "abort"] = "none"
-    """abort: at each weight push, running requests are aborted and resumed as prompt + partial
-    tokens on the new weights (per-token logprobs and versions kept)."""
-
-    def __post_init__(self) -> None:
-        if self.num_steps < 0:
-            raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
-        if self.prompts_per_step < 1:
-            raise ValueError(f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class CheckpointConfig:
-    every_steps: int = 0
-    """Write a checkpoint every this many steps (and at the last); 0 disables."""
-    resume: bool = False
-    """Continue from the newest complete checkpoint in the run folder."""
-    export_hf: bool = True
-    """Export the final weights as an HF model directory `<run_dir>/hf`."""
-
-    def __post_init__(self) -> None:
-        if self.every_steps < 0:
-            raise ValueError(f"every_steps must be >= 0, got {self.every_steps}")
 
 
 def _default_rollouter() -> Rollouter.Config:
@@ -90,14 +67,19 @@ def _default_rollouter() -> Rollouter.Config:
 class RLJob(Configurable):
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(Configurable.Config):
+        moved_keys = {"async_loop": "moved into [loop]: loop.staleness.max_staleness, "
+                                    "loop.off_policy_correction, loop.tis_cap"}
+
         name: str = "run"
         """Run name; the run folder is `<output_dir>/<name>`."""
         output_dir: str = "runs"
         seed: int = 0
-        """Seeds data order, request sampling seeds, the engines and the trainer."""
+        """The run's one seed: data order, request sampling seeds, the engines and the trainer
+        (each part's own `seed` field is set from it)."""
         model: ModelSource.Config = dataclasses.field(default_factory=ModelSource.Config)
         warm_start: WarmStart.Config = dataclasses.field(default_factory=WarmStart.Config)
-        task: AlphabetSortTask.Config = dataclasses.field(default_factory=AlphabetSortTask.Config)
+        task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+        """The task: `type` names its class (`package.module:Class`), the rest are its settings."""
         rollouter: Rollouter.Config = dataclasses.field(default_factory=_default_rollouter)
         sampling: Sampling = dataclasses.field(default_factory=Sampling)
         generator: Generator.Config = dataclasses.field(default_factory=Generator.Config)
@@ -110,10 +92,9 @@ class RLJob(Configurable):
         verify_weight_push: bool = False
         """After each push, read the generators' weights back and compare bitwise (slow)."""
         batcher: Batcher.Config = dataclasses.field(default_factory=Batcher.Config)
-        loop: LoopConfig = dataclasses.field(default_factory=LoopConfig)
-        async_loop: AsyncLoop.Config = dataclasses.field(default_factory=AsyncLoop.Config)
+        loop: TrainingLoop.Config = dataclasses.field(default_factory=TrainingLoop.Config)
         validation: Validator.Config = dataclasses.field(default_factory=Validator.Config)
-        checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+        checkpoint: Checkpointer.Config = dataclasses.field(default_factory=Checkpointer.Config)
         metrics: MetricsLogger.Config = dataclasses.field(default_factory=MetricsLogger.Config)
         recorder: RolloutRecorder.Config = dataclasses.field(default_factory=RolloutRecorder.Config)
 
@@ -135,64 +116,152 @@ class RLJob(Configurable):
     def __init__(self, config: Config) -> None:
         self.config = config
 
+    # ---- the one place where the user's config becomes what each part gets ----------------------
+    def resolve(self) -> ResolvedJob:
+        """Every part's config, derived and checked (makes a missing offline model; never trains)."""
+        c = self.config
+        for key, part in (("generator", c.generator), ("trainer", c.trainer),
+                          ("rollouter", c.rollouter)):
+            if part.seed != type(part)().seed:
+                raise ConfigError(f"{key}.seed: a job's parts take the job's seed; set seed "
+                                  f"instead (got {key}.seed={part.seed})")
+        if c.generator.model_dir is not None:
+            raise ConfigError("generator.model_dir: set the model once, with model.path")
+        base = c.model.build().resolve()
+        fingerprint = _warm_start_fingerprint(c.task)
+        model_dir = base
+        if c.warm_start.enabled:
+            model_dir = c.warm_start.build().output_dir(base, fingerprint, c.seed)
+        generator = dataclasses.replace(c.generator, model_dir=str(model_dir), seed=c.seed)
+        trainer = dataclasses.replace(c.trainer, seed=c.seed)
+        if c.loop.uses_tis and trainer.loss.tis_cap is None:
+            trainer = dataclasses.replace(
+                trainer, loss=dataclasses.replace(trainer.loss, tis_cap=c.loop.tis_cap))
+        sampling = c.sampling if c.sampling.seed is not None else dataclasses.replace(
+            c.sampling, seed=c.seed)
+        plan = ResolvedJob(
+            run_dir=str(c.run_dir), seed=c.seed, base_model_dir=str(base),
+            model_dir=str(model_dir), warm_start=c.warm_start if c.warm_start.enabled else None,
+            warm_start_fingerprint=fingerprint, task=c.task,
+            rollouter=dataclasses.replace(c.rollouter, seed=c.seed), sampling=sampling,
+            generators=[generator] * c.num_generators, router=c.router, trainer=trainer,
+            num_trainer_ranks=c.num_trainer_ranks, verify_weight_push=c.verify_weight_push,
+            batcher=c.batcher, loop=c.loop, validation=c.validation, checkpoint=c.checkpoint,
+            metrics=c.metrics, recorder=c.recorder,
+        )
+        plan.check()
+        return plan
+
+    # ---- the run ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        import asyncio
+        return asyncio.run(self.run_async())
 
-        from torchtitan_rl.controller.runner import run_job
+    async def run_async(self, *,
+                        spawn_trainer_ranks: SpawnTrainerRanks | None = None) -> dict[str, Any]:
+        """``spawn_trainer_ranks``: the torchrun ranks in place of a trainer mesh (torchrun.py)."""
+        wall_start = time.perf_counter()
+        plan = self.resolve()
+        run_dir = pathlib.Path(plan.run_dir)
+        checkpointer = plan.checkpoint.build(
+            run_dir=run_dir, num_steps=plan.loop.num_steps,
+            step_logs=[run_dir / "metrics.jsonl", run_dir / plan.recorder.path])
+        found = checkpointer.prepare_run_dir()
+        state = ControllerState(step=0, next_group_id=0)
+        resume_dir = None
+        resumed: dict[str, Any] = {"resumed_from_step": None}
+        if found is not None:
+            resume_dir, state = found
+            checkpointer.forget_steps_from(state.step)
+            resumed = {"resumed_from_step": state.step,
+                       "resumed_finished_groups": len(state.finished),
+                       "resumed_in_flight_groups": len(state.in_flight)}
+        logger.info("run folder: %s", run_dir.resolve())
+        _make_model(plan)
+        with MeshFailureWatch() as watch:
+            parts = await build_parts(
+                plan, checkpointer=checkpointer, spawn_trainer_ranks=spawn_trainer_ranks,
+                resume_step=state.step if resume_dir is not None else None)
+            try:
+                try:
+                    await watch.run_until_failure(self._train(plan, parts, resume_dir, state))
+                finally:
+                    await parts.close()
+            except Exception as e:
+                if watch.failures:  # summarised after the close: every failure is reported now
+                    raise RunFailedError(watch.summary()) from e
+                raise
+        history = state.validation_history
+        summary = {
+            "reward_before": history[0][1] if history else None,
+            "reward_after": history[-1][1] if history else None,
+            "steps": state.step,
+            "wall_s": round(time.perf_counter() - wall_start, 1),
+            "run_dir": plan.run_dir,
+            **resumed,
+        }
+        (pathlib.Path(plan.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+        logger.info("run folder: %s", pathlib.Path(plan.run_dir).resolve())
+        return summary
 
-        return asyncio.run(run_job(self.config))
+    async def _train(self, plan: ResolvedJob, parts: RunParts, resume_dir: pathlib.Path | None,
+                     state: ControllerState) -> None:
+        """Everything between spawning the meshes and closing them; updates ``state``."""
+        from tqdm import tqdm
+
+        if resume_dir is not None:
+            await parts.checkpointer.restore(parts.trainer, resume_dir, state)
+            await parts.trainer.push_weights(state.step)
+            for step, mean, stderr in state.validation_history:
+                if step == state.step:  # its log lines were dropped with the killed run's
+                    parts.metrics.log(step, {"validation/reward_mean": mean,
+                                             "validation/reward_stderr": stderr})
+        with tqdm(total=plan.loop.num_steps, initial=state.step, desc="steps",
+                  dynamic_ncols=True) as progress:
+            await plan.loop.build(parts=parts, state=state, progress=progress).run()
+        run_dir = pathlib.Path(plan.run_dir)
+        if plan.checkpoint.export_hf:
+            await parts.trainer.export_hf(run_dir / "hf")
+        _plot(state, run_dir)
 
 
-def check_job(config: RLJob.Config, model_dir: pathlib.Path) -> None:
-    """Cross-field checks that need the model's shape; each raises one ConfigError line."""
-    hf = json.loads((model_dir / "config.json").read_text())
-    heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
-    for key, tp in (("generator.tensor_parallel_degree", config.generator.tensor_parallel_degree),
-                    ("trainer.tensor_parallel_degree", config.trainer.tensor_parallel_degree)):
-        if heads % tp or kv_heads % tp:
-            raise ConfigError(
-                f"{key}={tp} must divide the model's attention heads ({heads}) and kv heads "
-                f"({kv_heads}) of {model_dir}"
-            )
-    dp = config.trainer.data_parallel_shard_degree
-    ranks = config.num_trainer_ranks
-    tp = config.trainer.tensor_parallel_degree
-    if ranks % tp or (dp != -1 and dp * tp != ranks):
-        raise ConfigError(
-            f"num_trainer_ranks={ranks} must equal trainer.data_parallel_shard_degree ({dp}) x "
-            f"trainer.tensor_parallel_degree ({tp})"
-        )
-    budget = config.rollouter.max_rollout_tokens
-    if budget > config.generator.max_model_len:
-        raise ConfigError(
-            f"rollouter.max_rollout_tokens={budget} exceeds generator.max_model_len="
-            f"{config.generator.max_model_len}"
-        )
-    if config.batcher.seq_len < budget:
-        raise ConfigError(
-            f"batcher.seq_len={config.batcher.seq_len} is shorter than a rollout can be "
-            f"(rollouter.max_rollout_tokens={budget}): raise seq_len or lower the budget"
-        )
-    if config.sampling.max_tokens >= budget:
-        raise ConfigError(
-            f"sampling.max_tokens={config.sampling.max_tokens} leaves no room for the prompt in "
-            f"rollouter.max_rollout_tokens={budget}"
-        )
-    if config.loop.mode == "sync" and config.loop.partial_rollout != "none":
-        raise ConfigError(
-            "loop.partial_rollout='abort' needs loop.mode='async' (the sync loop never pushes "
-            "weights while requests run)"
-        )
-    if config.loop.partial_rollout == "abort" and config.generator.weight_sync.mode != "hot_swap":
-        raise ConfigError(
-            "loop.partial_rollout='abort' needs generator.weight_sync.mode='hot_swap', got "
-            f"{config.generator.weight_sync.mode!r}"
-        )
-    if config.verify_weight_push and config.generator.tensor_parallel_degree != 1:
-        raise ConfigError(
-            "verify_weight_push needs generator.tensor_parallel_degree=1 (TP ranks hold shards), "
-            f"got {config.generator.tensor_parallel_degree}"
-        )
-    if config.generator.model_dir is not None and config.model.path:
-        raise ConfigError("set the model once: model.path, not generator.model_dir")
+def _warm_start_fingerprint(task: TaskConfig) -> str:
+    """The task settings the warm start's training conversations depend on."""
+    data = to_data(task)
+    for key in type(task).warm_start_independent_fields:
+        data.pop(key, None)
+    return json.dumps(data, sort_keys=True)
 
+
+def _make_model(plan: ResolvedJob) -> None:
+    """Train the warm start into ``plan.model_dir`` unless it is cached there."""
+    if plan.warm_start is None:
+        return
+    task = plan.task.build()
+    assert isinstance(task, SupervisedTask)  # ResolvedJob.check
+    train = task.dataset("train")
+    plan.warm_start.build().run(
+        base_model_dir=pathlib.Path(plan.base_model_dir), out=pathlib.Path(plan.model_dir),
+        solved_conversation=lambda i: task.solved_conversation(train[i % len(train)]),
+        seed=plan.seed,
+    )
+
+
+def _plot(state: ControllerState, run_dir: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if state.reward_history:
+        ax.plot(*zip(*state.reward_history), marker=".", label="train reward (sampled)")
+    if state.validation_history:
+        steps, means, errs = zip(*state.validation_history)
+        ax.errorbar(steps, means, yerr=errs, marker="o", capsize=3, label="validation reward")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(run_dir / "reward_curve.png", dpi=100)
+    plt.close(fig)

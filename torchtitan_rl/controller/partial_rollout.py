@@ -13,8 +13,13 @@ import dataclasses
 import hashlib
 import logging
 
-from torchtitan_rl.rollout.types import GenerateFn
-from torchtitan_rl.types import Completion, CompletionMetrics, Sampling
+from torchtitan_rl.types import (
+    Completion,
+    CompletionMetrics,
+    GenerateFn,
+    GenerateRequest,
+    Sampling,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,15 +38,9 @@ class ResumingGenerateFn:
         self.num_resumed = 0
         """Requests resubmitted after an abort, over the wrapper's lifetime."""
 
-    async def __call__(
-        self,
-        prompt_token_ids: list[int],
-        *,
-        request_id: str,
-        session_id: str | None = None,
-        sampling: Sampling | None = None,
-    ) -> Completion | None:
-        sampling = sampling or Sampling()
+    async def __call__(self, request: GenerateRequest) -> Completion | None:
+        prompt_token_ids, request_id = request.prompt_token_ids, request.request_id
+        sampling = request.sampling or Sampling()
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -54,12 +53,11 @@ class ResumingGenerateFn:
                     max_tokens=sampling.max_tokens - len(tokens),
                     seed=None if sampling.seed is None else resume_seed(sampling.seed, attempt),
                 )
-            piece = await self.inner(
-                prompt_token_ids + tokens,
+            piece = await self.inner(dataclasses.replace(
+                request, prompt_token_ids=prompt_token_ids + tokens,
                 request_id=request_id if attempt == 0 else f"{request_id}/resume={attempt}",
-                session_id=session_id,
                 sampling=piece_sampling,
-            )
+            ))
             if piece is None:
                 return None
             tokens += piece.token_ids

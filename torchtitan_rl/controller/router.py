@@ -22,8 +22,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from torchtitan_rl.config.configurable import Configurable
-from torchtitan_rl.rollout.types import GenerateFn
-from torchtitan_rl.types import Completion, Sampling
+from torchtitan_rl.types import Completion, GenerateFn, GenerateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -79,22 +78,14 @@ class GeneratorRouter(Configurable):
         self._sessions.pop(session_id, None)
 
     # ---- the GenerateFn ------------------------------------------------------------------------
-    async def __call__(
-        self,
-        prompt_token_ids: list[int],
-        *,
-        request_id: str,
-        session_id: str | None = None,
-        sampling: Sampling | None = None,
-    ) -> Completion | None:
-        index = self.pick(session_id)
+    async def __call__(self, request: GenerateRequest) -> Completion | None:
+        index = self.pick(request.session_id)
         self.inflight_requests[index] += 1
         self.num_routed[index] += 1
-        logger.debug("route %s (session %s) -> generator %d", request_id, session_id, index)
+        logger.debug("route %s (session %s) -> generator %d", request.request_id,
+                     request.session_id, index)
         try:
-            return await self.generators[index](
-                prompt_token_ids, request_id=request_id, session_id=session_id, sampling=sampling
-            )
+            return await self.generators[index](request)
         finally:
             self.inflight_requests[index] -= 1
 

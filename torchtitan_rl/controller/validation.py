@@ -16,8 +16,8 @@ from typing import Any
 
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.rollout.rollouter import Rollouter
-from torchtitan_rl.rollout.types import GenerateFn, RolloutGroup
-from torchtitan_rl.types import Sampling
+from torchtitan_rl.rollout.types import RolloutGroup
+from torchtitan_rl.types import GenerateFn, Sampling
 
 VALIDATION_GROUP_OFFSET = 1 << 40
 

@@ -67,16 +67,21 @@ class WarmStart(Configurable):
         }, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
+    def output_dir(self, base_model_dir: pathlib.Path, task_fingerprint: str,
+                   seed: int) -> pathlib.Path:
+        """Where the warm-started model of these inputs is cached."""
+        key = self.cache_key(base_model_dir, task_fingerprint, seed)
+        return pathlib.Path(self.config.cache_dir) / key
+
     def run(
         self,
         *,
         base_model_dir: pathlib.Path,
+        out: pathlib.Path,
         solved_conversation: Callable[[int], Conversation],
-        task_fingerprint: str,
         seed: int,
     ) -> pathlib.Path:
-        """The warm-started model directory (trained now, or found in the cache)."""
-        out = pathlib.Path(self.config.cache_dir) / self.cache_key(base_model_dir, task_fingerprint, seed)
+        """Train the warm start into ``out`` (`output_dir`) unless it is cached there."""
         if (out / "config.json").is_file():
             logger.info("warm start: reusing %s", out)
             return out

@@ -4,7 +4,10 @@ Public API:
     Generator (actor, Generator.Config), WeightSyncPolicy
     spawn_generator(config, *, name="generator", host=None) -> GeneratorHandle   (Monarch)
     start_engine_loop(config, *, on_step=None, wrap_engine=None) -> EngineLoop   (in-process)
-    EngineLoop, StepStats, LoopInbox, LoopAction, LoopDecision, WeightLoader
+    EngineLoop, StepStats, LoopInbox, LoopAction, LoopDecision
+
+A GeneratorHandle (and a bound ``EngineLoop.generate``) is a ``GenerateFn``; the handle is also a
+weight_sync ``PullTarget``. How pulled weights reach vLLM: torchtitan_rl/weight_sync/pull.py.
 """
 
 from torchtitan_rl.generator.config import WeightSyncPolicy
@@ -12,7 +15,6 @@ from torchtitan_rl.generator.engine_loop import EngineLoop, StepStats
 from torchtitan_rl.generator.generator import Generator, start_engine_loop
 from torchtitan_rl.generator.launch import GeneratorHandle, spawn_generator
 from torchtitan_rl.generator.loop_decision import LoopAction, LoopDecision, LoopInbox
-from torchtitan_rl.generator.weight_loader import WeightLoader
 
 __all__ = [
     "EngineLoop",
@@ -22,7 +24,6 @@ __all__ = [
     "LoopDecision",
     "LoopInbox",
     "StepStats",
-    "WeightLoader",
     "WeightSyncPolicy",
     "spawn_generator",
     "start_engine_loop",

@@ -1,4 +1,5 @@
-"""How a generator swaps in new weights: the weight-sync policy (a plain config dataclass)."""
+"""How a generator pulls new weights: the weight-sync policy (a plain config dataclass, no imports
+of vLLM or torch, so config code stays light). The pull itself is torchtitan_rl/weight_sync/pull.py."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import dataclasses
 from typing import Literal
 
 WEIGHT_SYNC_MODES = ("hot_swap", "drain")
+WEIGHT_LOADS = ("reload", "in_place")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class WeightSyncPolicy:
-    """What happens to running requests when a weight pull arrives.
+    """What happens to running requests when a weight pull arrives, and how it writes into vLLM.
 
     ``hot_swap``: the pull is applied between two engine steps; running requests continue and every
     output token records the policy version that sampled it. ``drain``: admission stops, running
@@ -28,7 +30,15 @@ class WeightSyncPolicy:
     weights (tokens after the pull are then exactly what the new weights give for prompt + tokens
     so far). Needs ``reset_prefix_cache``; no effect under ``drain`` (nothing runs at the pull)."""
 
+    load: Literal["reload", "in_place"] = "reload"
+    """How a pull writes into vLLM. 'reload': vLLM's ``reload_weights`` (any device, any
+    tensor_parallel_degree; on CPU it repacks every linear, ~5 memcpys of the weights). 'in_place':
+    the CPU linears are unpacked once at engine start and each pull is one ``copy_`` per tensor
+    into the live parameters; CPU engines with tensor_parallel_degree 1 and enforce_eager only."""
+
     def __post_init__(self) -> None:
+        if self.load not in WEIGHT_LOADS:
+            raise ValueError(f"weight_sync.load must be one of {WEIGHT_LOADS}, got {self.load!r}")
         if self.mode not in WEIGHT_SYNC_MODES:
             raise ValueError(
                 f"weight_sync.mode must be one of {WEIGHT_SYNC_MODES}, got {self.mode!r}"

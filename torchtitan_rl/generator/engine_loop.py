@@ -1,9 +1,13 @@
 """One rank's engine loop over one vLLM ``LLMEngine`` (plain class: no actor, testable in-process).
 
-    rank 0: generate()/pull()/abort()/close() -> LoopInbox -> decide() -> LoopDecision
+    rank 0: generate(request)/pull/abort/close -> LoopInbox -> decide() -> LoopDecision
     every rank: decision --DecisionChannel (gloo, engine thread)--> same decision on every rank
     every rank: apply it in the engine thread: add + burst of <= K engine.step() | pull | abort
     rank 0: finished outputs -> Completion -> resolve the generate() futures
+
+A pull (weight_sync/pull.py): every rank's pull_model_state_dict() prepares the weights at once (a
+bad state dict fails that call alone); rank 0's PULL decision then makes every rank apply them
+between two engine steps and label later tokens with the new policy version.
 
 Every engine call (and the gloo broadcast) runs in one engine thread per rank, in the same order
 on every rank, so the asyncio event loop stays free to accept calls while the engine steps. With
@@ -28,7 +32,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torchtitan_rl.generator import vllm_engine
 from torchtitan_rl.generator.config import WeightSyncPolicy
 from torchtitan_rl.generator.loop_decision import (
     DecisionChannel,
@@ -37,17 +40,18 @@ from torchtitan_rl.generator.loop_decision import (
     LoopDecision,
     LoopInbox,
 )
-from torchtitan_rl.generator.pending_requests import PendingRequests, fail_future, resolve_future
-from torchtitan_rl.types import Completion, Sampling
+from torchtitan_rl.generator.pending_requests import PendingPulls, PendingRequests
+from torchtitan_rl.generator.vllm_engine import add_request, partial_output
+from torchtitan_rl.types import Completion, GenerateRequest, Sampling
 
 logger = logging.getLogger(__name__)
 
 _RANK0_FAILED = "rank 0's engine loop failed"
 
 PrepareWeightsFn = Callable[[dict[str, Any]], Any]
-"""state_dict -> weights for the engine, raising on a bad state dict (`WeightLoader.prepare`)."""
-LoadWeightsFn = Callable[[Any, Any], None]
-"""(engine, prepared weights) -> None, between engine steps (`WeightLoader.load`)."""
+"""state_dict -> weights for the engine, raising on a bad state dict (`WeightPuller.prepare`)."""
+ApplyWeightsFn = Callable[[Any, Any], None]
+"""(engine, prepared weights) -> None, between engine steps (`WeightPuller.apply`)."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -61,21 +65,13 @@ class StepStats:
     policy_version: int
 
 
-@dataclasses.dataclass(slots=True)
-class _Pull:
-    """One rank's weight pull: the state dict arrives (endpoint), the loop applies it."""
-
-    state_dict: asyncio.Future[dict[str, Any]]
-    done: asyncio.Future[None]
-
-
 class EngineLoop:
     def __init__(
         self,
         engine: Any,
         *,
         prepare_weights: PrepareWeightsFn,
-        load_weights: LoadWeightsFn,
+        apply_weights: ApplyWeightsFn,
         weight_sync: WeightSyncPolicy | None = None,
         max_engine_steps_between_decisions: int = 16,
         default_sampling: Sampling | None = None,
@@ -85,13 +81,11 @@ class EngineLoop:
         on_step: Callable[[StepStats], None] | None = None,
     ) -> None:
         if max_engine_steps_between_decisions < 1:
-            raise ValueError(
-                "max_engine_steps_between_decisions must be >= 1, got "
-                f"{max_engine_steps_between_decisions}"
-            )
+            raise ValueError("max_engine_steps_between_decisions must be >= 1, got "
+                             f"{max_engine_steps_between_decisions}")
         self.engine = engine
         self.prepare_weights = prepare_weights
-        self.load_weights = load_weights
+        self.apply_weights = apply_weights
         self.weight_sync = weight_sync or WeightSyncPolicy()
         self.max_steps = max_engine_steps_between_decisions
         self.default_sampling = default_sampling or Sampling()
@@ -105,7 +99,7 @@ class EngineLoop:
         # ---- runtime state -------------------------------------------------------------------
         self._inbox = LoopInbox(drain_before_pull=self.weight_sync.drain_before_pull)
         self._pending = PendingRequests()
-        self._pulls: dict[int, _Pull] = {}
+        self._pulls = PendingPulls()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopped_error: BaseException | None = None
@@ -138,27 +132,22 @@ class EngineLoop:
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
 
     # ---- rank-0 calls ---------------------------------------------------------------------------
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        *,
-        request_id: str,
-        session_id: str | None = None,
-        sampling: Sampling | None = None,
-    ) -> Completion | None:
-        """Enqueue one request and await its `Completion` (rank 0 only). ``session_id`` is for
-        routers; the engine ignores it. Never returns None here (the type leaves room for routers
-        that drop requests)."""
+    async def generate(self, request: GenerateRequest) -> Completion | None:
+        """Enqueue one request and await its `Completion` (rank 0 only; the bound method is a
+        `GenerateFn`).
+        ``request.session_id`` is for routers; the engine ignores it. Never returns None here
+        (the type leaves room for routers that drop requests)."""
         self._check_serving("generate")
-        if not prompt_token_ids:
+        request_id = request.request_id
+        if not request.prompt_token_ids:
             raise ValueError(f"request {request_id}: prompt_token_ids is empty")
-        request = EngineRequest(
+        engine_request = EngineRequest(
             request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            sampling=sampling or self.default_sampling,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling=request.sampling or self.default_sampling,
         )
-        self._inbox.submit(request)
-        future = self._pending.add(request)
+        self._inbox.submit(engine_request)
+        future = self._pending.add(engine_request)
         self._wake.set()
         try:
             return await asyncio.shield(future)
@@ -187,29 +176,23 @@ class EngineLoop:
         return len(queued) + len(marked), futures
 
     # ---- every-rank calls -----------------------------------------------------------------------
-    async def pull_model_state_dict(self, version: int, state_dict: dict[str, Any]) -> None:
-        """Load ``state_dict`` as policy ``version`` through the loop (call on every rank with the
-        same version). A bad state dict raises here and leaves the loop untouched. Returns once
-        this rank has loaded it."""
+    async def pull_model_state_dict(
+        self, policy_version: int, state_dict: dict[str, Any]
+    ) -> dict[str, float]:
+        """Pull ``state_dict`` as ``policy_version`` through the loop (call on every rank with
+        the same version). A bad state dict raises here and leaves the loop untouched. Returns
+        once this rank applied it: ``convert_s`` (prepare) and ``load_s`` (apply) seconds."""
         self._check_running("pull_model_state_dict")
-        pull = self._pulls.get(version)
-        if pull is not None and pull.state_dict.done():
-            raise ValueError(f"a pull of version {version} is already pending")
-        received = [v for v, p in self._pulls.items() if p.state_dict.done()]
-        latest = max([self.policy_version, *received])
-        if pull is None and version <= latest:
-            raise ValueError(
-                f"pull version must be > {latest} (the newest version loaded or pending), "
-                f"got {version}"
-            )
+        self._pulls.check_new(policy_version, self.policy_version)
+        start = time.perf_counter()
         weights = self.prepare_weights(state_dict)
+        convert_s = time.perf_counter() - start
         if self.rank == 0:
-            self._inbox.request_pull(version, current_version=self.policy_version)
-        if pull is None:
-            pull = self._pulls[version] = self._new_pull()
-        pull.state_dict.set_result(weights)
+            self._inbox.request_pull(policy_version, current_version=self.policy_version)
+        done = self._pulls.deliver(policy_version, weights)
         self._wake.set()
-        await asyncio.shield(pull.done)
+        load_s = await asyncio.shield(done)
+        return {"convert_s": convert_s, "load_s": load_s}
 
     @property
     def num_inflight_requests(self) -> int:
@@ -295,7 +278,7 @@ class EngineLoop:
         failures: dict[str, Exception] = {}
         for request in requests:
             try:
-                vllm_engine.add_request(self.engine, request)
+                add_request(self.engine, request)
             except Exception as exc:
                 failures[request.request_id] = exc
         return failures
@@ -344,21 +327,17 @@ class EngineLoop:
         self._pending.resolve_output(output, num_in_engine)
 
     async def _pull(self, version: int) -> None:
-        pull = self._pulls.get(version)
-        if pull is None:
-            # A peer rank can see the decision before its own pull call arrives.
-            pull = self._pulls[version] = self._new_pull()
-        weights = await pull.state_dict
+        # A peer rank can see the decision before its own pull call arrives: wait for it.
+        weights = await self._pulls.entry(version).weights
         start = time.perf_counter()
-        await self._in_thread(self._load, version, weights)
+        await self._in_thread(self._apply_pull, version, weights)
         self.policy_version = version
-        del self._pulls[version]
-        resolve_future(pull.done, None)
-        logger.info("rank %d: pulled policy version %d in %.3f s", self.rank, version,
-                    time.perf_counter() - start)
+        apply_s = time.perf_counter() - start
+        self._pulls.finish(version, apply_s)
+        logger.info("rank %d: pulled policy version %d in %.3f s", self.rank, version, apply_s)
 
-    def _load(self, version: int, weights: Any) -> None:
-        self.load_weights(self.engine, weights)
+    def _apply_pull(self, version: int, weights: Any) -> None:
+        self.apply_weights(self.engine, weights)
         self.engine.set_weight_version(str(version))
         if self.weight_sync.reset_prefix_cache:
             running = self.weight_sync.reset_running_requests and not self.weight_sync.drain_before_pull
@@ -378,7 +357,7 @@ class EngineLoop:
             self._resolve_output(output, num_in_engine)
 
     def _abort_in_engine(self, request_ids: list[str]) -> list[Any]:
-        outputs = [vllm_engine.partial_output(self.engine, rid) for rid in request_ids]
+        outputs = [partial_output(self.engine, rid) for rid in request_ids]
         self.engine.abort_request(request_ids)
         return outputs
 
@@ -386,10 +365,6 @@ class EngineLoop:
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
-
-    def _new_pull(self) -> _Pull:
-        loop = asyncio.get_running_loop()
-        return _Pull(state_dict=loop.create_future(), done=loop.create_future())
 
     def _check_running(self, call: str) -> None:
         if self._task is None:
@@ -410,9 +385,7 @@ class EngineLoop:
 
     def _fail_pending(self, error: BaseException) -> None:
         self._pending.fail_all(error)
-        pulls, self._pulls = self._pulls, {}
-        for pull in pulls.values():
-            fail_future(pull.done, error)
+        self._pulls.fail_all(error)
 
     def _tell_peers_to_stop(self, error: BaseException) -> None:
         if self.channel is None:

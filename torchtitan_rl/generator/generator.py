@@ -1,11 +1,14 @@
 """The generator actor: one per rank of a generator mesh, each owning one vLLM `LLMEngine`.
 
     controller -spawn_generator(config)-> procs (tp) -> Generator actors -start()-> every rank:
-        build engine (external_launcher when tp > 1), gloo decision group, engine loop task
-    controller -generate(ids)-> rank 0: enqueue, await future
+        build engine (external_launcher when tp > 1), WeightPuller.setup (in_place: unpack
+        linears), gloo decision group, engine loop task
+    controller -generate(GenerateRequest)-> rank 0: enqueue, await future
     rank 0 loop: decide -gloo bcast-> all ranks: add + engine.step() x<=K (vLLM TP collectives)
     rank 0: finished output -> Completion -> generate() returns
-    controller -pull_model_state_dict(v, sd)-> EVERY rank (each loads full tensors; vLLM shards)
+    trainer rank 0 -pull_model_state_dict(policy_version, sd)-> EVERY rank (each pulls full
+        tensors; vLLM shards; weight_sync/pull.py) -> {convert_s, load_s} per rank
+    trainer rank 0 -read_hf_weights()-> every rank (verify a push bit for bit, TP 1)
     controller -abort(ids)-> rank 0;  -close()-> every rank;  then the procs are stopped
 
 Use it through `spawn_generator` / `GeneratorHandle` (launch.py), which call the endpoints with the
@@ -35,7 +38,7 @@ from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.generator.config import WeightSyncPolicy
 from torchtitan_rl.generator.engine_loop import EngineLoop, StepStats
-from torchtitan_rl.types import Completion, Sampling
+from torchtitan_rl.types import Completion, GenerateRequest, Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +95,15 @@ class Generator(Actor, Configurable):
                 raise ValueError(
                     f"initial_policy_version must be >= 0, got {self.initial_policy_version}"
                 )
+            if self.weight_sync.load == "in_place" and (
+                    self.tensor_parallel_degree != 1 or not self.enforce_eager):
+                # The CPU platform itself is checked at start (WeightPuller.setup).
+                raise ValueError(
+                    "weight_sync.load='in_place' needs tensor_parallel_degree=1 and "
+                    "enforce_eager=True on a CPU engine, got tensor_parallel_degree="
+                    f"{self.tensor_parallel_degree} enforce_eager={self.enforce_eager}: use "
+                    "weight_sync.load='reload'"
+                )
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -113,28 +125,22 @@ class Generator(Actor, Configurable):
         return self.rank
 
     @concurrent_endpoint
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        *,
-        request_id: str,
-        session_id: str | None = None,
-        sampling: Sampling | None = None,
-    ) -> Completion | None:
+    async def generate(self, request: GenerateRequest) -> Completion | None:
         """Rank 0: generate one completion (see `EngineLoop.generate`)."""
         self.num_generate_calls += 1
         maybe_kill("kill_generator_after_requests", self.num_generate_calls)
         async with self._waiting_call():
-            return await self._loop().generate(
-                prompt_token_ids, request_id=request_id, session_id=session_id, sampling=sampling
-            )
+            return await self._loop().generate(request)
 
     @concurrent_endpoint
-    async def pull_model_state_dict(self, version: int, state_dict: dict[str, Any]) -> int:
-        """Every rank: load ``state_dict`` (torchtitan or HF names, full tensors) as ``version``,
-        between engine steps (hot swap) or after running requests finish (drain)."""
-        await self._loop().pull_model_state_dict(version, state_dict)
-        return version
+    async def pull_model_state_dict(
+        self, policy_version: int, state_dict: dict[str, Any]
+    ) -> dict[str, float]:
+        """Every rank: pull ``state_dict`` (torchtitan or HF names, full tensors) as
+        ``policy_version``, between engine steps (hot swap) or after running requests finish
+        (drain). Returns this rank's ``convert_s`` and ``load_s`` (the pusher reports them as
+        ``weight_sync/generator_*`` metrics)."""
+        return await self._loop().pull_model_state_dict(policy_version, state_dict)
 
     @concurrent_endpoint
     async def abort(self, request_ids: list[str] | None = None) -> int:
@@ -152,16 +158,17 @@ class Generator(Actor, Configurable):
         await self._no_calls_waiting.wait()
 
     @concurrent_endpoint
-    async def policy_version(self) -> int:
+    async def get_policy_version(self) -> int:
+        """The policy version of the weights this rank serves (the last pull applied)."""
         return self._loop().policy_version
 
     @concurrent_endpoint
-    async def num_inflight_requests(self) -> int:
+    async def count_inflight_requests(self) -> int:
         """Rank 0: generate() calls not yet resolved (queued or in the engine)."""
         return self._loop().num_inflight_requests
 
     @concurrent_endpoint
-    async def finished_digest(self) -> tuple[int, int, str]:
+    async def get_finished_digest(self) -> tuple[int, int, str]:
         """(rank, finished outputs, digest of their tokens): equal digests = identical tokens."""
         loop = self._loop()
         return self.rank, loop.num_finished, loop.finished_digest
@@ -169,14 +176,14 @@ class Generator(Actor, Configurable):
     @concurrent_endpoint
     async def read_hf_weights(self) -> dict[str, torch.Tensor]:
         """Every rank: this engine's weights as full HF-named tensors (verifying a push bit for
-        bit, see PolicyTrainer.push_weights(verify=True)). Tensor parallel 1 only: a TP rank
-        holds shards."""
-        from torchtitan_rl.trainer.vllm_weights import read_vllm_hf_weights, vllm_model
+        bit, see WeightPusher.push(verify=True)). Tensor parallel 1 only: a TP rank holds
+        shards."""
+        from torchtitan_rl.weight_sync.pull import read_hf_weights
 
         if self.config.tensor_parallel_degree != 1:
             raise RuntimeError("read_hf_weights needs tensor_parallel_degree 1 (TP ranks hold "
                                f"shards), got {self.config.tensor_parallel_degree}")
-        return read_vllm_hf_weights(vllm_model(self._loop().engine))
+        return read_hf_weights(self._loop().engine)
 
     # ---- helpers --------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -211,7 +218,7 @@ async def start_engine_loop(
     elastic env set (WORLD_SIZE == tensor_parallel_degree). ``wrap_engine`` wraps the built
     engine (tests inject faults with it)."""
     from torchtitan_rl.generator.loop_decision import DecisionChannel
-    from torchtitan_rl.generator.weight_loader import WeightLoader
+    from torchtitan_rl.weight_sync.pull import WeightPuller
 
     tp = config.tensor_parallel_degree
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -223,15 +230,16 @@ async def start_engine_loop(
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
     loop = asyncio.get_running_loop()
     engine = await loop.run_in_executor(executor, _build_engine_in_thread, config)
+    puller = WeightPuller(config.model_dir, load=config.weight_sync.load)  # type: ignore[arg-type]
+    await loop.run_in_executor(executor, puller.setup, engine)
     channel = None
     if tp > 1:
         # After the engine: vLLM has initialised the default process group by now.
         channel = await loop.run_in_executor(executor, DecisionChannel.new_gloo_group)
-    weight_loader = WeightLoader(config.model_dir)  # type: ignore[arg-type]
     engine_loop = EngineLoop(
         wrap_engine(engine) if wrap_engine is not None else engine,
-        prepare_weights=weight_loader.prepare,
-        load_weights=weight_loader.load,
+        prepare_weights=puller.prepare,
+        apply_weights=puller.apply,
         weight_sync=config.weight_sync,
         max_engine_steps_between_decisions=config.max_engine_steps_between_decisions,
         default_sampling=config.sampling,

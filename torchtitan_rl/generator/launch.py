@@ -1,29 +1,31 @@
 """Spawning a generator mesh and calling it with the right fan-out: the one code path the
 controller and the tests share.
 
-    handle = await spawn_generator(config)            # procs, torch elastic env, actors, start()
-    completion = await handle.generate(ids, request_id=..., sampling=...)   # rank 0
-    await handle.pull_model_state_dict(version, sd)   # every rank
-    await handle.abort(ids)                           # rank 0
-    await handle.close()                              # every rank, then the procs stop
+    handle = await spawn_generator(config)       # procs, torch elastic env, actors, start()
+    completion = await handle(GenerateRequest(prompt_token_ids=ids, request_id=...))   # rank 0
+    await WeightPusher(...).push(policy_version, state_dict, handle)   # every rank pulls
+    await handle.abort(ids)                      # rank 0
+    await handle.close()                         # every rank, then the procs stop
 
-`GeneratorHandle` is a `GenerateFn` (rollout code and the router call it directly). Its methods
-send their message when called and return an awaitable (an asyncio Task for generate), so calls
-made one after the other reach rank 0 in that order (a generate() then an abort() always finds
-it). ``close()`` lets every outstanding generate() receive its "closed" error before the procs stop.
+`GeneratorHandle` is a `GenerateFn` (rollout code and the router call it directly) and a
+weight_sync `PullTarget` (``pull_model_state_dict`` and ``read_hf_weights`` on every rank). Its
+methods send their message when called and return an awaitable (an asyncio Task for generate), so
+calls made one after the other reach rank 0 in that order (a generate() then an abort() always
+finds it). ``close()`` lets every outstanding generate() receive its "closed" error before the
+procs stop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
-import asyncio
-
+import torch
 from monarch.actor import Future, HostMesh, ProcMesh, this_host
 
 from torchtitan_rl.generator.generator import Generator
-from torchtitan_rl.types import Completion, Sampling
+from torchtitan_rl.types import Completion, GenerateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -38,41 +40,42 @@ class GeneratorHandle:
         self.config = config
         self._outstanding: set[asyncio.Task[Completion | None]] = set()
 
-    def generate(
-        self,
-        prompt_token_ids: list[int],
-        *,
-        request_id: str,
-        session_id: str | None = None,
-        sampling: Sampling | None = None,
-    ) -> asyncio.Task[Completion | None]:
-        task = asyncio.ensure_future(self.rank0.generate.call_one(
-            prompt_token_ids, request_id=request_id, session_id=session_id, sampling=sampling
-        ))
+    def generate(self, request: GenerateRequest) -> asyncio.Task[Completion | None]:
+        """Rank 0 generates one completion (the message is sent now; await the task)."""
+        task = asyncio.ensure_future(self.rank0.generate.call_one(request))
         self._outstanding.add(task)
         task.add_done_callback(self._outstanding.discard)
         return task
 
     __call__ = generate
 
-    async def pull_model_state_dict(self, version: int, state_dict: dict[str, Any]) -> None:
+    async def pull_model_state_dict(
+        self, policy_version: int, state_dict: dict[str, Any]
+    ) -> list[dict[str, float]]:
         """Every rank receives the full state dict (vLLM's loaders shard it for TP); returns once
-        every rank has loaded it."""
-        await self.actors.pull_model_state_dict.call(version, state_dict)
+        every rank has pulled it, with each rank's ``convert_s`` / ``load_s``, by rank."""
+        values = await self.actors.pull_model_state_dict.call(policy_version, state_dict)
+        return [value for _, value in sorted(values.items(), key=lambda kv: kv[0].rank)]
+
+    async def read_hf_weights(self) -> list[dict[str, torch.Tensor]]:
+        """Every rank's weights by HF name, as its engine computes with them (TP 1 only)."""
+        return [weights for _, weights in (await self.actors.read_hf_weights.call()).items()]
 
     def abort(self, request_ids: list[str] | None = None) -> Future[int]:
         """Abort requests (None: all in flight); resolves once they have resolved."""
         return self.rank0.abort.call_one(request_ids)
 
-    def policy_version(self) -> Future[int]:
-        return self.rank0.policy_version.call_one()
+    def get_policy_version(self) -> Future[int]:
+        """Rank 0's policy version (the last pull applied)."""
+        return self.rank0.get_policy_version.call_one()
 
-    def num_inflight_requests(self) -> Future[int]:
-        return self.rank0.num_inflight_requests.call_one()
+    def count_inflight_requests(self) -> Future[int]:
+        """Rank 0's generate() calls not yet resolved (queued or in the engine)."""
+        return self.rank0.count_inflight_requests.call_one()
 
-    async def finished_digests(self) -> list[tuple[int, int, str]]:
+    async def get_finished_digests(self) -> list[tuple[int, int, str]]:
         """(rank, finished outputs, token digest) per rank, by rank."""
-        values = await self.actors.finished_digest.call()
+        values = await self.actors.get_finished_digest.call()
         return sorted(value for _, value in values.items())
 
     async def close(self, *, stop_procs: bool = True) -> None:

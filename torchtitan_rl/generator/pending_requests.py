@@ -1,10 +1,16 @@
-"""Rank 0's generate() calls until their futures resolve: a Completion, or an error.
+"""The engine loop's calls in flight: rank 0's generate() calls and every rank's weight pulls.
 
+    PendingRequests (rank 0):
     EngineLoop.generate()       -> add()                 (a future the caller awaits)
     admitted into vLLM          -> mark_admitted() | fail()
     finished or aborted output  -> resolve_output()      (Completion with its timings)
     aborted while still queued  -> resolve_unstarted_abort()
     loop failed or closed       -> fail_all()
+
+    PendingPulls (every rank; the pull call and rank 0's PULL decision arrive in either order):
+    EngineLoop.pull_model_state_dict() -> check_new(), deliver(prepared weights) -> await done
+    the loop's PULL decision           -> entry() -> await its weights -> apply -> finish(load_s)
+    loop failed or closed              -> fail_all()
 
 Every future resolves exactly once; resolving an already-done future is a no-op, so a late output
 for a request that was failed or cancelled is dropped instead of raising in the engine loop.
@@ -17,8 +23,12 @@ import dataclasses
 import time
 from typing import Any
 
-from torchtitan_rl.generator import vllm_engine
 from torchtitan_rl.generator.loop_decision import EngineRequest
+from torchtitan_rl.generator.vllm_engine import (
+    completion_from_output,
+    empty_abort_completion,
+    first_token_latency_s,
+)
 from torchtitan_rl.types import Completion, CompletionMetrics
 
 
@@ -58,7 +68,7 @@ class PendingRequests:
         """An abort that caught the request before vLLM saw it: no tokens, queue time only."""
         entry = self._entries.pop(request.request_id)
         metrics = CompletionMetrics(queue_time_s=time.monotonic() - entry.submitted_at)
-        resolve_future(entry.future, vllm_engine.empty_abort_completion(request, metrics))
+        resolve_future(entry.future, empty_abort_completion(request, metrics))
 
     def resolve_output(self, output: Any, num_in_engine: int) -> None:
         """A vLLM output that finished (or was aborted) -> the caller's Completion."""
@@ -69,12 +79,12 @@ class PendingRequests:
         admitted_at = entry.admitted_at if entry.admitted_at is not None else now
         metrics = CompletionMetrics(
             queue_time_s=admitted_at - entry.submitted_at,
-            time_to_first_token_s=vllm_engine.first_token_latency_s(output),
+            time_to_first_token_s=first_token_latency_s(output),
             generation_time_s=now - admitted_at,
             num_inflight_requests=num_in_engine,
         )
         try:
-            completion = vllm_engine.completion_from_output(entry.request, output, metrics)
+            completion = completion_from_output(entry.request, output, metrics)
         except Exception as exc:
             fail_future(entry.future, exc)
             return
@@ -84,6 +94,54 @@ class PendingRequests:
         entries, self._entries = self._entries, {}
         for entry in entries.values():
             fail_future(entry.future, error)
+
+
+@dataclasses.dataclass(slots=True)
+class _Pull:
+    """One rank's pull of one policy version."""
+
+    weights: asyncio.Future[Any]
+    """The prepared weights (set by the pull call)."""
+    done: asyncio.Future[float]
+    """Set by the loop once applied: the seconds the apply took."""
+
+
+class PendingPulls:
+    def __init__(self) -> None:
+        self._pulls: dict[int, _Pull] = {}
+
+    def check_new(self, version: int, current_version: int) -> None:
+        """Refuse a second call for one version, and versions not above the newest loaded or
+        received (a PULL decision seen first on a peer rank is not a received pull)."""
+        pull = self._pulls.get(version)
+        if pull is not None and pull.weights.done():
+            raise ValueError(f"a pull of version {version} is already pending")
+        received = [v for v, p in self._pulls.items() if p.weights.done()]
+        latest = max([current_version, *received])
+        if pull is None and version <= latest:
+            raise ValueError(
+                f"pull version must be > {latest} (the newest version loaded or pending), "
+                f"got {version}"
+            )
+
+    def entry(self, version: int) -> _Pull:
+        if (pull := self._pulls.get(version)) is None:
+            loop = asyncio.get_running_loop()
+            pull = self._pulls[version] = _Pull(loop.create_future(), loop.create_future())
+        return pull
+
+    def deliver(self, version: int, weights: Any) -> asyncio.Future[float]:
+        pull = self.entry(version)
+        pull.weights.set_result(weights)
+        return pull.done
+
+    def finish(self, version: int, apply_s: float) -> None:
+        resolve_future(self._pulls.pop(version).done, apply_s)
+
+    def fail_all(self, error: BaseException) -> None:
+        pulls, self._pulls = self._pulls, {}
+        for pull in pulls.values():
+            fail_future(pull.done, error)
 
 
 def resolve_future(future: asyncio.Future[Any], value: Any) -> None:

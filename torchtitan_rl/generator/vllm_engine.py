@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torchtitan_rl.generator.loop_decision import EngineRequest
 from torchtitan_rl.types import Completion, CompletionMetrics, FinishReason, Sampling
@@ -18,8 +18,6 @@ from torchtitan_rl.types import Completion, CompletionMetrics, FinishReason, Sam
 if TYPE_CHECKING:
     from vllm import LLMEngine, SamplingParams
     from vllm.outputs import RequestOutput
-
-    from torchtitan_rl.generator.generator import Generator
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +30,22 @@ def set_vllm_env_defaults() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def build_engine(config: Generator.Config) -> LLMEngine:
+class EngineSpec(Protocol):
+    """What `build_engine` reads: the engine fields of ``Generator.Config`` (a structural type,
+    so this module does not import the actor module that imports it)."""
+
+    model_dir: str | None
+    dtype: str
+    tensor_parallel_degree: int
+    max_model_len: int
+    max_num_seqs: int
+    kv_cache_bytes: int
+    enforce_eager: bool
+    enable_prefix_caching: bool
+    seed: int
+
+
+def build_engine(config: EngineSpec) -> LLMEngine:
     """One rank's engine. With tensor_parallel_degree > 1 every rank of the generator mesh calls
     this with the torch elastic env set (RANK, WORLD_SIZE, MASTER_ADDR, ...); vLLM's
     ``external_launcher`` backend then runs one worker in this process and joins the others."""

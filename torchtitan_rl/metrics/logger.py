@@ -32,7 +32,10 @@ class MetricsLogger(Configurable):
             if self.log_every_steps < 1:
                 raise ValueError(f"log_every_steps must be >= 1, got {self.log_every_steps}")
 
-    def __init__(self, config: Config, *, run_dir: pathlib.Path) -> None:
+    def __init__(self, config: Config, *, run_dir: pathlib.Path,
+                 purge_step: int | None = None) -> None:
+        """``purge_step``: a run resumed at this step; TensorBoard drops the events of the killed
+        run at or after it (metrics.jsonl is truncated by the Checkpointer)."""
         self.config = config
         self.run_dir = pathlib.Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -42,7 +45,8 @@ class MetricsLogger(Configurable):
         if config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"),
+                                         purge_step=purge_step)
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a") if config.jsonl else None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

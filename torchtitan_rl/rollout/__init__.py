@@ -1,6 +1,7 @@
 """The rollout layer: environments in messages and tokens, rollouts, advantages, packing, metrics.
 
-    episode spec --Rollouter.run_group_rollouts(generate_fn)--> RolloutGroup
+    episode spec --Rollouter.run_group_rollouts(generate_fn, episode)--> RolloutGroup
+        (each turn: GenerateRequest --generate_fn--> Completion; GenerateFn from torchtitan_rl.types)
     RolloutGroup --rollout_group_to_training_samples--> [TrainingSample] --> batcher -> trainer
 """
 
@@ -16,7 +17,6 @@ from torchtitan_rl.rollout.recorder import RolloutRecorder
 from torchtitan_rl.rollout.rollouter import Rollouter, request_seed
 from torchtitan_rl.rollout.token_env import TokenEnv, TokenEnvStep
 from torchtitan_rl.rollout.types import (
-    GenerateFn,
     Rollout,
     RolloutGroup,
     RolloutStatus,
@@ -24,10 +24,12 @@ from torchtitan_rl.rollout.types import (
     request_id,
     session_id,
 )
+from torchtitan_rl.types import GenerateFn, GenerateRequest
 
 __all__ = [
     "EnvStep",
     "GenerateFn",
+    "GenerateRequest",
     "Message",
     "MessageEnv",
     "Rollout",

@@ -82,7 +82,7 @@ def _record(step: int, group: RolloutGroup, rollout: Rollout, tokenizer: Any) ->
         "step": step,
         "sample_id": rollout.session_id,
         "group_id": group.group_id,
-        "episode_id": _episode_id(group.sample),
+        "episode_id": _episode_id(group.episode),
         "status": rollout.status.value,
         "error": rollout.error,
         "reward": rollout.reward,
@@ -96,7 +96,7 @@ def _record(step: int, group: RolloutGroup, rollout: Rollout, tokenizer: Any) ->
     }
 
 
-def _episode_id(sample: Any) -> str | None:
-    value = sample.get("episode_id") if isinstance(sample, dict) else getattr(
-        sample, "episode_id", None)
+def _episode_id(episode: Any) -> str | None:
+    value = episode.get("episode_id") if isinstance(episode, dict) else getattr(
+        episode, "episode_id", None)
     return None if value is None else str(value)

@@ -1,8 +1,10 @@
 """Rollouter: one episode spec -> a scored RolloutGroup of concurrent sibling rollouts.
 
-    controller --run_group_rollouts(generate_fn, sample, group_id, ...)--> Rollouter
+    controller --run_group_rollouts(generate_fn, episode, group_id, ...)--> Rollouter
     Rollouter: group_size x run_single_rollout, concurrently (one TaskGroup):
-        make_env(sample) -> TokenEnv.reset() -> [generate_fn(prompt ids) -> TokenEnv.step()] x turns
+        make_env(episode) -> TokenEnv.reset()
+        -> [generate_fn(GenerateRequest(prompt ids, request/session id, sampling))
+            -> TokenEnv.step(completion)] x turns
         -> MessageEnv.score(replies, reward parts) -> close()
     Rollouter: group_advantages(rewards) -> RolloutGroup (dropped when it carries no signal)
 
@@ -27,7 +29,6 @@ from torchtitan_rl.rollout.advantage import group_advantages
 from torchtitan_rl.rollout.message_env import MessageEnv
 from torchtitan_rl.rollout.token_env import TokenEnv
 from torchtitan_rl.rollout.types import (
-    GenerateFn,
     Rollout,
     RolloutGroup,
     RolloutStatus,
@@ -35,7 +36,7 @@ from torchtitan_rl.rollout.types import (
     request_id,
     session_id,
 )
-from torchtitan_rl.types import Sampling
+from torchtitan_rl.types import GenerateFn, GenerateRequest, Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -100,12 +101,12 @@ class Rollouter(Configurable):
     async def run_group_rollouts(
         self,
         generate_fn: GenerateFn,
-        sample: Any,
+        episode: Any,
         group_id: int,
         group_size: int | None = None,
         sampling: Sampling | None = None,
     ) -> RolloutGroup:
-        """Roll out ``group_size`` siblings of ``sample`` concurrently, score them, and fill their
+        """Roll out ``group_size`` siblings of ``episode`` concurrently, score them, and fill their
         advantages. ``sampling`` applies to every request (seed and max_tokens are set per request).
         Raises what generate_fn raised (the siblings are cancelled and their envs closed)."""
         size = self.config.group_size if group_size is None else group_size
@@ -116,7 +117,7 @@ class Rollouter(Configurable):
             async with asyncio.TaskGroup() as tasks:
                 futures = [
                     tasks.create_task(self.run_single_rollout(
-                        generate_fn, sample, group_id=group_id, rollout_index=i,
+                        generate_fn, episode, group_id=group_id, rollout_index=i,
                         sampling=sampling,
                     ))
                     for i in range(size)
@@ -126,7 +127,7 @@ class Rollouter(Configurable):
             if len(group_error.exceptions) == 1:
                 raise group_error.exceptions[0] from None
             raise
-        group = RolloutGroup(group_id=group_id, sample=sample,
+        group = RolloutGroup(group_id=group_id, episode=episode,
                              rollouts=[f.result() for f in futures])
         self._fill_advantages(group)
         return group
@@ -134,7 +135,7 @@ class Rollouter(Configurable):
     async def run_single_rollout(
         self,
         generate_fn: GenerateFn,
-        sample: Any,
+        episode: Any,
         *,
         group_id: int,
         rollout_index: int,
@@ -144,8 +145,8 @@ class Rollouter(Configurable):
         rollout = Rollout(group_id=group_id, rollout_index=rollout_index,
                           status=RolloutStatus.ERROR_ENV)
         try:
-            message_env = self._make_env(sample)
-        except Exception as e:  # a bad sample fails its rollouts, not the run
+            message_env = self._make_env(episode)
+        except Exception as e:  # a bad episode spec fails its rollouts, not the run
             logger.warning("make_env failed for group %d", group_id, exc_info=True)
             rollout.error = f"make_env raised {e!r}"
             rollout.reward = self._error_reward()
@@ -179,11 +180,11 @@ class Rollouter(Configurable):
                 seed=request_seed(base_seed, rollout.group_id, rollout.rollout_index,
                                   turn_index),
             )
-            completion = await generate_fn(
-                list(prompt_ids), request_id=rid,
+            completion = await generate_fn(GenerateRequest(
+                prompt_token_ids=list(prompt_ids), request_id=rid,
                 session_id=session_id(rollout.group_id, rollout.rollout_index),
                 sampling=per_request,
-            )
+            ))
             next_step = await env.step(completion)
             if completion is not None:
                 rollout.turns.append(RolloutTurn(

@@ -1,6 +1,6 @@
 """The rollout layer's records: group -> rollout -> turn.
 
-    Rollouter --prompt ids--> GenerateFn --Completion--> Rollouter --completion--> TokenEnv
+    Rollouter --GenerateRequest--> GenerateFn --Completion--> Rollouter --completion--> TokenEnv
     one RolloutTurn per generate call; one Rollout per sibling; one RolloutGroup per prompt (episode)
 
 Everything is plain data (lists, not tensors) so a group pickles cheaply across Monarch actors.
@@ -10,30 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Protocol
+from typing import Any
 
-from torchtitan_rl.types import Completion, FinishReason, Sampling
-
-
-class GenerateFn(Protocol):
-    """Generate one completion for a prompt; the rollout code never knows what stands behind it
-    (a generator actor, a router over several, an HTTP endpoint, a plain function in a test).
-
-    ``request_id`` is ``group=G/rollout=R/turn=T`` (unique per call); ``session_id`` is
-    ``group=G/rollout=R`` (the same for every turn of a rollout: a router may pin a session to one
-    generator to reuse its prefix cache). Returns None when the request was dropped or cancelled:
-    the rollout then ends as ERROR_ABORT. An exception is an infrastructure failure: it propagates
-    and fails the whole group.
-    """
-
-    async def __call__(
-        self,
-        prompt_token_ids: list[int],
-        *,
-        request_id: str,
-        session_id: str,
-        sampling: Sampling,
-    ) -> Completion | None: ...
+from torchtitan_rl.types import FinishReason
 
 
 class RolloutStatus(enum.StrEnum):
@@ -126,7 +105,7 @@ class RolloutGroup:
     """Siblings rolled out from one episode spec, scored, with group-relative advantages."""
 
     group_id: int
-    sample: Any
+    episode: Any
     """The episode spec the group was built from (picklable; e.g. an AlphabetSortEpisode)."""
     rollouts: list[Rollout]
     dropped: bool = False

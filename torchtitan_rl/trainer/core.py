@@ -210,7 +210,11 @@ class PolicyTrainerCore(Configurable):
         return metrics
 
     def optim_step(self) -> dict[str, float]:
-        """Clip gradients, AdamW step at the warm-up learning rate, zero grads, bump the version."""
+        """Clip gradients, AdamW step at the warm-up learning rate, zero grads, bump the version.
+
+        A non-finite gradient norm (a NaN/Inf loss, or NaN logprobs in the batch) skips the AdamW
+        step: the weights and the optimizer state stay as they were (``trainer/skipped_step`` 1).
+        The norm is reduced over every rank, so every rank takes the same decision."""
         start = time.perf_counter()
         lr = self._lr_at(self.policy_version)
         for group in self.optimizer.param_groups:
@@ -220,11 +224,17 @@ class PolicyTrainerCore(Configurable):
             list(self.model.parameters()), max_norm if max_norm is not None else float("inf"),
             foreach=True,
         )
-        self.optimizer.step()
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+        else:
+            logger.warning("policy version %d: non-finite grad norm %s: optimizer step skipped",
+                           self.policy_version, float(grad_norm))
         self.optimizer.zero_grad(set_to_none=True)
         self.policy_version += 1
         return {
             "trainer/grad_norm": float(grad_norm),
+            "trainer/skipped_step": 0.0 if finite else 1.0,
             "trainer/lr": lr,
             "trainer/policy_version": float(self.policy_version),
             "trainer/optim_step_s": time.perf_counter() - start,

@@ -2,9 +2,10 @@
 
     controller -forward_backward(batch)-> every rank: FSDP/TP fwd+bwd (gloo/NCCL) -metrics-> controller
     controller -optim_step()-> every rank: clip, AdamW, policy_version += 1 -metrics-> controller
-    controller -push_weights(generators, version, verify)-> every rank: all-gather full tensors;
-        rank 0 -pull_model_state_dict(version, torchtitan-named tensors: in the message, or
-        shared-memory references that unpickle as tensors)-> every generator;
+    controller -push_weights(generators, policy_version, verify)-> every rank: all-gather full
+        tensors; rank 0: WeightPusher.push (weight_sync/push.py) -pull_model_state_dict(
+        policy_version, torchtitan-named tensors: in the message, or shared-memory references
+        that unpickle as tensors)-> every generator rank;
         verify: rank 0 -read_hf_weights()-> generators, compares bitwise, raises on a difference
     controller -save_checkpoint(path, extra) / load_checkpoint(path) / export_hf(path)-> every rank
     controller -compute_logprobs(batch)-> every rank -> [mb, dp, rows, seq_len] logprobs
@@ -17,7 +18,7 @@ every rank returns the same metrics (reduced over data-parallel ranks). The cont
 same TrainingBatch to every rank; a rank runs its own [microbatch][dp_rank] column.
 
 Spawn with ``await spawn_policy_trainer(procs, config, model_dir=...)`` (sets the torch elastic env on
-the procs first); drive it with ``trainer.client.train_step`` and ``trainer.client.push_weights``.
+the procs first); drive it with the controller's TrainerClient (controller/trainer_client.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from monarch.actor import Actor, endpoint
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.trainer.batcher import TrainingBatch
 from torchtitan_rl.trainer.core import PolicyTrainerCore
-from torchtitan_rl.trainer.weight_handoff import WeightHandoff
+from torchtitan_rl.weight_sync.push import ActorMeshTarget, WeightPusher, WeightTransport
 
 logger = logging.getLogger(__name__)
 
@@ -43,25 +44,26 @@ class PolicyTrainer(Actor, Configurable):
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(PolicyTrainerCore.Config):
         """PolicyTrainerCore's config (model, dtype, optimizer, warm-up, clipping, parallelism,
-        loss) plus the weight hand-off, so ``trainer.optimizer.lr`` etc. sit at the top."""
+        loss) plus the weight push, so ``trainer.optimizer.lr`` etc. sit at the top."""
 
         weight_transport: Literal["message", "shared_memory"] = "message"
-        """How rank 0 hands weights to generators: ``message`` pickles the tensors into the
+        """How rank 0 pushes weights to generators: ``message`` pickles the tensors into the
         Monarch message (any host); ``shared_memory`` copies them once into a POSIX shared
-        segment and sends references (same host only, see trainer/shm_transport.py)."""
+        segment and sends references (same host only, see weight_sync/shared_memory.py)."""
 
     def __init__(self, config: Config, *, model_dir: str | None = None) -> None:
         self.core = PolicyTrainerCore(config, model_dir=model_dir)
         self.weight_transport = config.weight_transport
-        self.handoff = WeightHandoff(model_config=self.core.model_config)
+        self.pusher = WeightPusher(model_config=self.core.model_config)
 
     @endpoint
-    async def dp_size(self) -> int:
+    async def get_dp_size(self) -> int:
         """Data-parallel size: the batcher's ``dp_size``."""
         return self.core.dp_size
 
     @endpoint
-    async def policy_version(self) -> int:
+    async def get_policy_version(self) -> int:
+        """Optimizer steps taken: the policy version of the current weights."""
         return self.core.policy_version
 
     @endpoint
@@ -77,7 +79,7 @@ class PolicyTrainer(Actor, Configurable):
         return self.core.compute_logprobs(batch)
 
     @endpoint
-    async def model_state_dict(self) -> dict[str, torch.Tensor]:
+    async def read_model_state_dict(self) -> dict[str, torch.Tensor]:
         """torchtitan-named plain full tensors (collective over the trainer ranks)."""
         return self.core.full_model_state_dict()
 
@@ -85,29 +87,27 @@ class PolicyTrainer(Actor, Configurable):
     async def push_weights(
         self,
         generators: Any,
-        version: int | None = None,
+        policy_version: int | None = None,
         verify: bool = False,
-        transport: str | None = None,
+        transport: WeightTransport | None = None,
     ) -> dict[str, float]:
-        """Hand the weights to ``generators`` (an actor mesh with ``pull_model_state_dict``);
-        ``transport`` overrides the configured ``weight_transport`` for this push."""
-        version = self.core.policy_version if version is None else version
+        """Push the weights to ``generators`` (a generator actor mesh, e.g.
+        ``GeneratorHandle.actors``) as ``policy_version`` (None: this trainer's); every rank
+        gathers, rank 0 pushes. ``transport`` overrides the configured ``weight_transport``."""
+        if policy_version is None:
+            policy_version = self.core.policy_version
         start = time.perf_counter()
         state_dict = self.core.full_model_state_dict()
         metrics = {"weight_sync/gather_s": time.perf_counter() - start}
         if self.core.rank != 0:
             return metrics
-
-        async def read_back() -> list[dict[str, torch.Tensor]]:
-            return [weights for _, weights in (await generators.read_hf_weights.call()).items()]
-
-        metrics.update(await self.handoff.push(
-            version, state_dict, transport=transport or self.weight_transport,
-            pull=generators.pull_model_state_dict.call,
-            read_back=read_back if verify else None,
+        metrics.update(await self.pusher.push(
+            policy_version, state_dict, ActorMeshTarget(generators),
+            transport=transport or self.weight_transport, verify=verify,
         ))
         metrics["weight_sync/total_s"] = time.perf_counter() - start
-        logger.info("pushed weights v%d in %.3fs", version, metrics["weight_sync/total_s"])
+        logger.info("pushed policy version %d in %.3fs", policy_version,
+                    metrics["weight_sync/total_s"])
         return metrics
 
     @endpoint
@@ -121,6 +121,15 @@ class PolicyTrainer(Actor, Configurable):
     @endpoint
     async def export_hf(self, path: str, dtype: str = "") -> None:
         self.core.export_hf(path, dtype)
+
+
+def rank0_value(values: Any) -> Any:
+    """The value rank 0 returned, from the Monarch ValueMesh of a ``.call()`` on the trainer mesh
+    (every rank returns the same reduced metrics; only rank 0's push metrics are complete)."""
+    items = list(values.items())
+    if not items:
+        raise RuntimeError("empty ValueMesh: the trainer mesh has no ranks")
+    return min(items, key=lambda item: item[0].rank)[1]
 
 
 async def spawn_policy_trainer(

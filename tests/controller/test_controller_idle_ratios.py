@@ -6,7 +6,9 @@ import asyncio
 
 import pytest
 
-from torchtitan_rl.controller.activity import BusyClock, BusyGenerateFn, IdleRatios
+from torchtitan_rl.types import GenerateRequest
+
+from torchtitan_rl.controller.idle_ratios import BusyClock, BusyGenerateFn, IdleRatios
 
 
 class FakeClock:
@@ -53,14 +55,14 @@ def test_idle_ratios_per_step_window():
 def test_busy_generate_fn_times_the_inner_calls_and_passes_results_through():
     t = FakeClock()
 
-    async def inner(prompt, *, request_id, session_id=None, sampling=None):
+    async def inner(request: GenerateRequest):
         t.now += 2.0
-        if request_id == "boom":
+        if request.request_id == "boom":
             raise RuntimeError("engine died")
-        return prompt[::-1]
+        return request.prompt_token_ids[::-1]
 
     fn = BusyGenerateFn(inner, BusyClock(t))
-    assert asyncio.run(fn([1, 2], request_id="a")) == [2, 1]
+    assert asyncio.run(fn(GenerateRequest(prompt_token_ids=[1, 2], request_id="a"))) == [2, 1]
     with pytest.raises(RuntimeError, match="engine died"):
-        asyncio.run(fn([1], request_id="boom"))
+        asyncio.run(fn(GenerateRequest(prompt_token_ids=[1], request_id="boom")))
     assert fn.clock.busy_seconds() == 4.0 and fn.clock.num_open == 0

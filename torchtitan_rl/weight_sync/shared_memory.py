@@ -1,19 +1,20 @@
-"""Same-host weight hand-off through POSIX shared memory: tensors that pickle as references.
+"""Same-host weight push through POSIX shared memory: tensors that pickle as references.
 
     trainer rank 0:  refs = stager.stage(state_dict)       # one copy into a shared segment
     Monarch message: {name: SharedTensorRef}               # ~100 bytes per tensor
     generator:       unpickling a ref returns a plain torch.Tensor viewing the segment (no copy)
 
-A Monarch message pickles a tensor's bytes (copy), ships them over a socket (kernel copies) and
-unpickles them (copy). A ``SharedTensorRef`` pickles to (segment name, offset, shape, dtype), so the
-receiving side gets ``torch.Tensor`` values with no change to its code: the generator's
-``pull_model_state_dict(version, state_dict)`` sees an ordinary dict of tensors.
+Why: a Monarch message pickles a tensor's bytes (copy), ships them over a socket (kernel copies)
+and unpickles them (copy). A ``SharedTensorRef`` pickles to (segment name, offset, shape, dtype),
+so the generator gets ``torch.Tensor`` values with no change to its pull path:
+``Generator.pull_model_state_dict(policy_version, state_dict)`` sees an ordinary dict of tensors.
 
 Lifetime: the stager owns one segment (``/dev/shm/ttrl_w_<pid>_<n>``, memory, never disk),
 re-created only when the state dict's size changes, unlinked at close/exit. The next ``stage``
-overwrites it, so a receiver must finish reading (copy into its own weights) before the trainer
-stages again: ``push_weights`` awaits every generator's pull before returning, which gives that.
-A receiver on another host cannot attach and raises a RuntimeError naming the segment.
+overwrites it, so every generator must finish its pull (copy into its own weights) before the
+trainer stages again: ``WeightPusher.push`` awaits every generator rank's pull before returning,
+which gives that. A generator on another host cannot attach and raises a RuntimeError naming the
+segment.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How busy the generators and the trainer were: the idle ratios logged every step.
 
-    runner: generate_fn = BusyGenerateFn(router)      every rollout/validation request passes here
-    train_and_publish (each step):
+    parts:  generate_fn = BusyGenerateFn(router)      every rollout/validation request passes here
+    loop (each step):
         generator idle ratio = 1 - (time with >= 1 request in flight) / step window
         trainer idle ratio   = 1 - (train + weight push time) / step window
 
@@ -15,8 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from torchtitan_rl.rollout.types import GenerateFn
-from torchtitan_rl.types import Completion, Sampling
+from torchtitan_rl.types import Completion, GenerateFn, GenerateRequest
 
 
 class BusyClock:
@@ -56,19 +55,10 @@ class BusyGenerateFn:
         self.inner = inner
         self.clock = clock or BusyClock()
 
-    async def __call__(
-        self,
-        prompt_token_ids: list[int],
-        *,
-        request_id: str,
-        session_id: str | None = None,
-        sampling: Sampling | None = None,
-    ) -> Completion | None:
+    async def __call__(self, request: GenerateRequest) -> Completion | None:
         self.clock.enter()
         try:
-            return await self.inner(
-                prompt_token_ids, request_id=request_id, session_id=session_id, sampling=sampling
-            )
+            return await self.inner(request)
         finally:
             self.clock.exit()
 

@@ -5,14 +5,13 @@
     every rank   train.cli -> torchrun_rank() is set -> run_rank0 / run_follower
                  check_torchrun_config: num_trainer_ranks == WORLD_SIZE, else one ConfigError line
                  TrainerRank.join: the process group torchrun describes + a gloo command group
-    rank 0       run_job(config, trainer_factory=...)    the Monarch launch's controller, unchanged
-                 (generator meshes are still spawned with Monarch, from this process)
-                   spawn_actors -> factory(model_dir): send build(trainer config, model_dir)
-                   train_step:    pack the batch; send forward_backward(batch); send optim_step()
-                   push_weights:  per generator (router syncing flag, abort_on_pull as under
-                                  Monarch): send full_model_state_dict() (every rank gathers);
-                                  rank 0 -> handle.pull_model_state_dict(version, state dict)
-                   save_checkpoint / load_checkpoint / export_hf: send the core's method
+    rank 0       RLJob(config).run_async(spawn_trainer_ranks=...): the Monarch launch's controller,
+                 unchanged (generator meshes are still spawned with Monarch, from this process),
+                 with TorchrunTrainerRanks behind the one TrainerClient (trainer_client.py):
+                   spawn:         send build(resolved trainer config, model_dir)
+                   call(method):  send the PolicyTrainerCore method (forward_backward, ...)
+                   push_weights:  send full_model_state_dict() (every rank gathers); rank 0
+                                  pushes it with WeightPusher (weight_sync/push.py)
                    close(), and the finally of run_rank0 when the run fails: send stop
     ranks > 0    TrainerRank.follow(): receive a command, run it on this rank's
                  PolicyTrainerCore, repeat until stop; then exit 0 and print nothing
@@ -47,17 +46,12 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from torchtitan_rl.config.errors import ConfigError
-from torchtitan_rl.controller.runner import run_job
-from torchtitan_rl.controller.setup import (
-    ControllerTrainerClient,
-    TrainerFactory,
-    trainer_config_of,
-)
+from torchtitan_rl.controller.job import RLJob
+from torchtitan_rl.controller.spawn import SpawnTrainerRanks
 from torchtitan_rl.generator import GeneratorHandle
-from torchtitan_rl.trainer.batcher import TrainingBatch
 from torchtitan_rl.trainer.core import PolicyTrainerCore, _device_type
 from torchtitan_rl.trainer.parallel import init_trainer_distributed
-from torchtitan_rl.trainer.weight_handoff import WeightHandoff
+from torchtitan_rl.weight_sync.push import WeightPusher
 
 logger = logging.getLogger(__name__)
 
@@ -167,77 +161,55 @@ class TrainerRank:
         return getattr(self.core, command.method)(*command.args)
 
 
-class SpmdTrainerClient(ControllerTrainerClient):
-    """The controller's `TrainerClient` over the torchrun trainer ranks (rank 0 only)."""
+class TorchrunTrainerRanks:
+    """`TrainerRanks` over the torchrun processes (rank 0 only): every call is a Command."""
 
     def __init__(self, *, trainer: TrainerRank, executor: concurrent.futures.Executor,
-                 weight_transport: str, **common: Any) -> None:
-        super().__init__(**common)
+                 weight_transport: str) -> None:
         self.trainer = trainer
         self.executor = executor
         self.weight_transport = weight_transport
-        self._handoff: WeightHandoff | None = None
+        self.dp_size = 0
+        self._pusher: WeightPusher | None = None
 
-    async def send(self, method: Method, *args: Any) -> Any:
+    async def call(self, method: str, *args: Any) -> Any:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self.trainer.send, Command(method, args))
+        command = Command(method, args)  # type: ignore[arg-type]
+        return await loop.run_in_executor(self.executor, self.trainer.send, command)
 
-    async def _train_batch(self, batch: TrainingBatch) -> dict[str, float]:
-        metrics = dict(await self.send("forward_backward", batch))
-        metrics.update(await self.send("optim_step"))
-        return metrics
-
-    async def _push_to(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
+    async def push_weights(self, generator: GeneratorHandle, version: int, *,
+                           verify: bool) -> dict[str, float]:
         start = time.perf_counter()
-        state_dict = await self.send("full_model_state_dict")
+        state_dict = await self.call("full_model_state_dict")
         metrics = {"weight_sync/gather_s": time.perf_counter() - start}
-        if self._handoff is None:
+        if self._pusher is None:
             assert self.trainer.core is not None
-            self._handoff = WeightHandoff(model_config=self.trainer.core.model_config)
-
-        async def read_back() -> list[dict[str, Any]]:
-            per_rank = await generator.actors.read_hf_weights.call()
-            return [weights for _, weights in per_rank.items()]
-
-        metrics.update(await self._handoff.push(
-            version, state_dict, transport=self.weight_transport,
-            pull=generator.pull_model_state_dict,
-            read_back=read_back if self.verify_push else None,
-        ))
+            self._pusher = WeightPusher(model_config=self.trainer.core.model_config)
+        metrics.update(await self._pusher.push(
+            version, state_dict, generator, transport=self.weight_transport, verify=verify))
         metrics["weight_sync/total_s"] = time.perf_counter() - start
         logger.info("pushed weights v%d in %.3fs", version, metrics["weight_sync/total_s"])
         return metrics
 
-    async def save_checkpoint(self, directory: pathlib.Path) -> None:
-        await self.send("save_checkpoint", str(directory), None)
-
-    async def load_checkpoint(self, directory: pathlib.Path) -> None:
-        await self.send("load_checkpoint", str(directory))
-
-    async def export_hf(self, directory: pathlib.Path) -> None:
-        await self.send("export_hf", str(directory), "")
-
-    async def dp_size(self) -> int:
-        assert self.trainer.core is not None
-        return self.trainer.core.dp_size
-
     async def close(self) -> None:
         if not self.trainer.stopped:
             await asyncio.get_running_loop().run_in_executor(self.executor, self.trainer.stop)
-        if self._handoff is not None:
-            self._handoff.close()
+        if self._pusher is not None:
+            self._pusher.close()
 
 
-def spmd_trainer_factory(trainer: TrainerRank, trainer_config: Any,
-                         executor: concurrent.futures.Executor) -> TrainerFactory:
-    """spawn_actors' trainer_factory: every rank builds its PolicyTrainerCore from
-    ``trainer_config`` and the run's model directory."""
+def torchrun_trainer_ranks(trainer: TrainerRank,
+                           executor: concurrent.futures.Executor) -> SpawnTrainerRanks:
+    """build_parts' ``spawn_trainer_ranks``: every rank builds its PolicyTrainerCore from the
+    resolved trainer config and the run's model directory."""
 
-    async def build(model_dir: pathlib.Path, **common: Any) -> ControllerTrainerClient:
-        client = SpmdTrainerClient(trainer=trainer, executor=executor,
-                                   weight_transport=trainer_config.weight_transport, **common)
-        await client.send("build", trainer_config, str(model_dir))
-        return client
+    async def build(trainer_config: Any, model_dir: pathlib.Path) -> TorchrunTrainerRanks:
+        ranks = TorchrunTrainerRanks(trainer=trainer, executor=executor,
+                                     weight_transport=trainer_config.weight_transport)
+        await ranks.call("build", trainer_config, str(model_dir))
+        assert trainer.core is not None
+        ranks.dp_size = trainer.core.dp_size
+        return ranks
 
     return build
 
@@ -248,10 +220,11 @@ def run_rank0(config: Any) -> dict[str, Any]:
     check_torchrun_config(config)
     trainer = TrainerRank.join(config.trainer.device)
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer_rank0")
-    factory = spmd_trainer_factory(trainer, trainer_config_of(config), executor)
+    ranks = torchrun_trainer_ranks(trainer, executor)
     try:
         with _without_launcher_env():
-            return asyncio.run(run_job(config, trainer_factory=factory))
+            job = RLJob(config)
+            return asyncio.run(job.run_async(spawn_trainer_ranks=ranks))
     finally:
         executor.shutdown(wait=True)
         trainer.stop()

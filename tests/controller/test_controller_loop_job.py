@@ -1,0 +1,193 @@
+"""The training loop end to end (real Monarch meshes, vLLM generators, torchtitan trainer):
+two staleness-0 (synchronous) runs of one seed are identical bit for bit; a SIGKILLed controller
+resumes without losing or repeating a prompt; partial rollouts over two generators respect the
+staleness bound; a generator that dies fails the run with one clear error."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from torchtitan_rl.controller.data_cursor import DataCursor
+from torchtitan_rl.controller.job import RLJob
+from torchtitan_rl.controller.loop import TrainingLoop
+from torchtitan_rl.controller.router import GeneratorRouter
+from torchtitan_rl.faults import ENV_VAR
+from torchtitan_rl.train import main
+
+from tests.controller.jobs import REPO_ROOT, read_hf_weights, read_metrics, tiny_job
+
+
+def test_two_staleness_zero_runs_of_one_seed_are_identical(sync_tiny_run, tmp_path):
+    sync_dir, _ = sync_tiny_run
+    summary = main(tiny_job(tmp_path, "async_s0", max_staleness=0))
+    assert summary["steps"] == 3
+    synced, asynced = read_metrics(sync_dir), read_metrics(tmp_path / "async_s0")
+    for step in range(3):
+        for key in ("loss/value", "trainer/grad_norm", "loss/num_valid_tokens",
+                    "rollout_reward/mean"):
+            assert asynced[step][key] == synced[step][key], (step, key)  # exact
+        assert asynced[step]["async/policy_age_max"] == 0
+    sync_weights = read_hf_weights(sync_dir / "hf")
+    async_weights = read_hf_weights(tmp_path / "async_s0" / "hf")
+    assert sync_weights.keys() == async_weights.keys()
+    for name in sync_weights:
+        assert torch.equal(sync_weights[name], async_weights[name]), name
+
+
+def _run_tiny_job(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop(ENV_VAR, None)
+    if fault is not None:
+        env[ENV_VAR] = fault
+    return subprocess.run(
+        [sys.executable, "-m", "tests.controller.run_tiny_job", *args],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_resume_after_sigkill_loses_nothing(tmp_path, staleness):
+    num_prompts, groups_per_step = 8, 2  # one epoch = 4 steps of 2 groups (tiny_job)
+    num_steps = num_prompts // groups_per_step
+    kill_after = random.Random(20261123 + staleness).randint(1, num_steps - 1)
+    args = [str(tmp_path), "killed", str(num_steps), "--num-prompts", str(num_prompts),
+            "--staleness", str(staleness)]
+
+    killed = _run_tiny_job(*args, fault=f"kill_controller_after_checkpoints:{kill_after}")
+    assert killed.returncode == -signal.SIGKILL, (kill_after, killed.stderr[-2000:])
+    run_dir = tmp_path / "killed"
+    checkpoint = json.loads((run_dir / "checkpoints" / f"step-{kill_after:06d}" /
+                             "controller.json").read_text())
+    resumed = _run_tiny_job(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    # a restore happened: from the checkpoint of step k > 0, with its untrained groups
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from_step"] == kill_after > 0
+    assert summary["resumed_finished_groups"] == len(checkpoint["finished"])
+    assert summary["resumed_in_flight_groups"] == len(checkpoint["in_flight"])
+    if staleness:  # groups of later steps were running or waiting at the checkpoint
+        assert len(checkpoint["finished"]) + len(checkpoint["in_flight"]) > 0, checkpoint
+
+    steps = [json.loads(line) for line in
+             (run_dir / "trained_samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(num_steps))
+    group_ids = [g for s in steps for g in s["group_ids"]]
+    assert sorted(group_ids) == list(range(num_prompts)), (kill_after, group_ids)
+    cursor = DataCursor(num_prompts=num_prompts, seed=0)
+    assert sorted(cursor.prompt_index(g) for g in group_ids) == list(range(num_prompts))
+    sample_ids = [i for s in steps for i in s["sample_ids"]]
+    assert len(sample_ids) == len(set(sample_ids)), "a sample was trained twice"
+    for step in steps:  # every sample belongs to a group its step consumed
+        assert {int(i.split("/")[0].removeprefix("group=")) for i in step["sample_ids"]} <= set(
+            step["group_ids"])
+    _assert_each_step_logged_once(run_dir, num_steps)
+
+
+def _assert_each_step_logged_once(run_dir: pathlib.Path, num_steps: int) -> None:
+    """metrics.jsonl, the rollout JSONL and TensorBoard show every training step exactly once."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [r["step"] for r in records if "loss/value" in r]
+    assert trained == list(range(num_steps)), trained
+    rollouts = [json.loads(line)["step"] for line in
+                (run_dir / "rollouts" / "rollouts.jsonl").read_text().splitlines()]
+    assert sorted(set(rollouts)) == list(range(num_steps))
+    assert all(rollouts.count(s) == rollouts.count(0) for s in range(num_steps)), rollouts
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss/value")] == list(range(num_steps))
+
+
+def test_rerun_resumes_instead_of_deleting(tmp_path, capsys):
+    from torchtitan_rl.config.errors import ConfigError
+    from torchtitan_rl.train import run_and_report
+
+    config = tiny_job(tmp_path, "again", num_steps=1)
+    first = main(config)
+    assert first["steps"] == 1 and first["resumed_from_step"] is None
+    metrics_before = (tmp_path / "again" / "metrics.jsonl").read_text()
+    again = main(config)  # checkpoint.resume = "auto": the finished run is resumed, not wiped
+    assert again["resumed_from_step"] == 1 and again["steps"] == 1
+    assert again["reward_before"] == first["reward_before"]
+    assert (tmp_path / "again" / "metrics.jsonl").read_text() == metrics_before
+
+    never = dataclasses.replace(config, checkpoint=dataclasses.replace(
+        config.checkpoint, resume="never"))
+    with pytest.raises(ConfigError, match="holds an earlier run's outputs"):
+        main(never)
+    assert run_and_report(never) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--checkpoint.overwrite" in errors[0]
+    assert (tmp_path / "again" / "checkpoints").is_dir()  # nothing was touched
+
+    fresh = main(dataclasses.replace(never, checkpoint=dataclasses.replace(
+        never.checkpoint, overwrite=True)))
+    assert fresh["resumed_from_step"] is None and fresh["steps"] == 1
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("again.replaced-")]
+    assert len(moved) == 1 and (moved[0] / "metrics.jsonl").read_text() == metrics_before
+
+
+def test_async_partial_rollouts_over_two_generators_stay_within_staleness(tmp_path):
+    config = tiny_job(tmp_path, "partial", max_staleness=1, partial_rollout="abort")
+    config = dataclasses.replace(
+        config, num_generators=2,
+        router=GeneratorRouter.Config(strategy="least_loaded"),
+        verify_weight_push=True,  # each push is read back from both engines, bit for bit
+    )
+    summary = main(config)
+    assert summary["steps"] == 3
+    metrics = read_metrics(tmp_path / "partial")
+    for step in range(3):
+        m = metrics[step]
+        assert 0 <= m["async/policy_age_min"] <= m["async/policy_age_max"] <= 1, (step, m)
+        assert "generator/num_aborted_at_pull" in m
+        assert 0.0 <= m["time/generator_idle_ratio"] <= 1.0
+        assert 0.0 <= m["time/trainer_idle_ratio"] <= 1.0
+    # Truncated importance sampling is on by default off-policy: weights are pi/pi_gen, not 1.
+    assert any(metrics[step]["loss/tis_weight_mean"] != 1.0 for step in range(3))
+    last = metrics[2]
+    assert last["router/generator_0/num_routed"] > 0 and last["router/generator_1/num_routed"] > 0
+    assert last["async/groups_trained"] == 3 * config.loop.groups_per_step
+
+
+def _resolved_tis_cap(config: RLJob.Config) -> float | None:
+    return RLJob(config).resolve().trainer.loss.tis_cap
+
+
+def test_off_policy_training_turns_truncated_importance_sampling_on_unless_configured(tmp_path):
+    sync = tiny_job(tmp_path, "x")
+    assert _resolved_tis_cap(sync) is None
+    asynced = tiny_job(tmp_path, "x", max_staleness=1)
+    assert _resolved_tis_cap(asynced) == TrainingLoop.Config().tis_cap
+    own = dataclasses.replace(asynced, trainer=dataclasses.replace(
+        asynced.trainer, loss=dataclasses.replace(asynced.trainer.loss, tis_cap=5.0)))
+    assert _resolved_tis_cap(own) == 5.0
+    off = dataclasses.replace(asynced, loop=dataclasses.replace(
+        asynced.loop, off_policy_correction="none"))
+    assert _resolved_tis_cap(off) is None
+    forced = dataclasses.replace(sync, loop=dataclasses.replace(
+        sync.loop, off_policy_correction="tis"))
+    assert _resolved_tis_cap(forced) == TrainingLoop.Config().tis_cap
+
+
+@pytest.mark.parametrize("staleness", ["0", "1"])
+def test_generator_death_fails_the_run_with_a_clear_error(tmp_path, staleness):
+    proc = _run_tiny_job(str(tmp_path), "dies", "3", "--staleness", staleness,
+                         fault="kill_generator_after_requests:5")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("error: actor mesh failure:")
+    assert "generator_0" in errors[0] and "Killed(sig=9)" in errors[0]

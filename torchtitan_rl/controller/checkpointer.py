@@ -1,0 +1,289 @@
+"""Checkpoints of a run: the trainer's DCP state plus the controller's state, and resume.
+
+    <run_dir>/checkpoints/step-000002/
+        trainer/            torch DCP: model, optimizer, lr schedule, step   (written first)
+        controller.json     ControllerState: the commit marker               (written last, atomically)
+
+    job:  checkpointer.prepare_run_dir() -> the checkpoint to resume from (or a fresh folder)
+          checkpointer.forget_steps_from(k): step logs of the killed run past k are dropped
+          checkpointer.restore(trainer, directory) -> state
+    loop: checkpointer.due(step) -> checkpointer.save(trainer, state): trainer DCP, fsync,
+          controller.json (fsynced, atomic: the commit marker), then older ones past keep_last go
+
+A run folder is never silently wiped: ``resume = "auto"`` continues from its newest complete
+checkpoint, and starting over an earlier run's outputs needs ``overwrite`` (they are moved aside,
+not deleted). A checkpoint without controller.json (the process died while writing it), or whose
+files do not read back, is skipped with one logged line: the previous complete one is used.
+Finished-but-untrained groups are stored as their training samples, so resume trains them
+without regenerating; groups still in flight are restarted from their prompts (the same group id
+gives the same prompt and the same request seeds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import random
+import re
+import shutil
+import time
+from typing import Any, Literal, Protocol
+
+import torch
+
+from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.types import TrainingSample
+
+logger = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_RUN_OUTPUTS = ("checkpoints", "tensorboard", "metrics.jsonl", "rollouts", "hf",
+                "reward_curve.png", "summary.json", "trained_samples.jsonl")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class FinishedGroup:
+    """A group that finished generating but was not trained yet when the checkpoint was taken."""
+
+    group_id: int
+    admit_version: int
+    samples: list[TrainingSample]
+    rewards: list[float]
+    dropped: bool
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ControllerState:
+    step: int
+    """Optimizer steps completed (= the policy version of the trainer's weights)."""
+    next_group_id: int
+    """The next group id to issue; every id below it was admitted."""
+    in_flight: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    """(group_id, admit_version) of groups still generating: restarted on resume."""
+    finished: list[FinishedGroup] = dataclasses.field(default_factory=list)
+    trained_group_ids: list[int] = dataclasses.field(default_factory=list)
+    """Every group consumed by a training step so far, in order (for the loses-nothing proof)."""
+    reward_history: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    validation_history: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
+    """(step, reward mean, stderr)."""
+    rng_state: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str, source: str) -> "ControllerState":
+        try:
+            data = json.loads(text)
+            data["in_flight"] = [tuple(x) for x in data["in_flight"]]
+            data["finished"] = [
+                FinishedGroup(**{**f, "samples": [TrainingSample(**s) for s in f["samples"]]})
+                for f in data["finished"]
+            ]
+            data["reward_history"] = [tuple(x) for x in data["reward_history"]]
+            data["validation_history"] = [tuple(x) for x in data["validation_history"]]
+            return cls(**data)
+        except (KeyError, TypeError, ValueError) as e:
+            raise RuntimeError(f"corrupt controller checkpoint {source}: {e}") from e
+
+
+def capture_rng_state() -> dict[str, Any]:
+    return {"python": repr(random.getstate()), "torch": torch.get_rng_state().tolist()}
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    if not state:
+        return
+    import ast
+
+    random.setstate(ast.literal_eval(state["python"]))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+
+
+def step_dir(checkpoint_root: pathlib.Path, step: int) -> pathlib.Path:
+    return checkpoint_root / f"step-{step:06d}"
+
+
+def write_controller_state(directory: pathlib.Path, state: ControllerState) -> None:
+    """Write controller.json durably and atomically: it marks the checkpoint complete."""
+    tmp = directory / "controller.json.tmp"
+    with tmp.open("w") as f:
+        f.write(state.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / "controller.json")
+    _fsync_dir(directory)
+
+
+def read_controller_state(directory: pathlib.Path) -> ControllerState:
+    path = directory / "controller.json"
+    return ControllerState.from_json(path.read_text(), str(path))
+
+
+def complete_checkpoints(checkpoint_root: pathlib.Path) -> list[pathlib.Path]:
+    """Checkpoint directories with a commit marker, oldest first."""
+    if not checkpoint_root.is_dir():
+        return []
+    found = [(int(m.group(1)), d) for d in checkpoint_root.iterdir()
+             if (m := _STEP_DIR.match(d.name)) and (d / "controller.json").is_file()]
+    return [d for _, d in sorted(found)]
+
+
+def latest_complete_checkpoint(
+        checkpoint_root: pathlib.Path) -> tuple[pathlib.Path, ControllerState] | None:
+    """The newest checkpoint that reads back whole, with its controller state; a newer one that
+    does not (a partial write, a corrupt file) is skipped with one logged line."""
+    if checkpoint_root.is_dir():
+        for d in sorted((d for d in checkpoint_root.iterdir() if _STEP_DIR.match(d.name)),
+                        reverse=True):
+            problem = "no controller.json (incomplete)"
+            if (d / "controller.json").is_file():
+                try:
+                    state = read_controller_state(d)
+                    if not (d / "trainer" / ".metadata").is_file():
+                        raise RuntimeError("trainer/.metadata is missing")
+                    return d, state
+                except (OSError, RuntimeError) as e:
+                    problem = str(e)
+            logger.warning("checkpoint %s is unusable (%s): falling back to an older one", d,
+                           problem)
+    return None
+
+
+def _fsync_dir(directory: pathlib.Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(directory: pathlib.Path) -> None:
+    for path in sorted(directory.rglob("*"), reverse=True):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+        elif path.is_dir():
+            _fsync_dir(path)
+    _fsync_dir(directory)
+
+
+def truncate_step_log(path: pathlib.Path, step: int) -> int:
+    """Drop the JSONL records of ``path`` whose "step" is >= ``step``; returns how many."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] < step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+class CheckpointableTrainer(Protocol):
+    async def save_checkpoint(self, directory: pathlib.Path) -> None: ...
+    async def load_checkpoint(self, directory: pathlib.Path) -> None: ...
+
+
+class Checkpointer(Configurable):
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        every_steps: int = 0
+        """Write a checkpoint every this many steps (and at the last); 0 disables."""
+        resume: Literal["auto", "never", "must"] = "auto"
+        """auto: continue from the run folder's newest complete checkpoint when there is one.
+        never: always start fresh. must: fail when there is nothing to resume. Starting fresh
+        over an earlier run's outputs needs ``overwrite``."""
+        overwrite: bool = False
+        """Start fresh even over an earlier run's outputs: they are moved to
+        `<run_dir>.replaced-<time>` (one logged line), never deleted."""
+        keep_last: int = 3
+        """Complete checkpoints kept (older ones are deleted after each save); 0 keeps all."""
+        export_hf: bool = True
+        """Export the final weights as an HF model directory `<run_dir>/hf`."""
+
+        def __post_init__(self) -> None:
+            for name in ("every_steps", "keep_last"):
+                if getattr(self, name) < 0:
+                    raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+            if self.overwrite and self.resume == "must":
+                raise ValueError("overwrite=True contradicts resume='must'")
+
+    def __init__(self, config: Config, *, run_dir: pathlib.Path, num_steps: int,
+                 step_logs: list[pathlib.Path]) -> None:
+        self.config = config
+        self.run_dir = pathlib.Path(run_dir)
+        self.root = self.run_dir / "checkpoints"
+        self.trained_log_path = self.run_dir / "trained_samples.jsonl"
+        """One line per trained step: its group ids and sample ids (written by the loop)."""
+        self.step_logs = [self.trained_log_path, *step_logs]
+        """JSONL files of per-step records (a "step" key), truncated on resume."""
+        self.num_steps = num_steps
+
+    def prepare_run_dir(self) -> tuple[pathlib.Path, ControllerState] | None:
+        """The checkpoint to resume from (and its controller state), or None for a fresh run in
+        a folder that holds no earlier run's outputs."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        mode = self.config.resume
+        found = None if self.config.overwrite else latest_complete_checkpoint(self.root)
+        if mode == "must" and found is None:
+            raise ConfigError(f"checkpoint.resume='must': no complete checkpoint in {self.root}")
+        if mode != "never" and found is not None:
+            return found
+        outputs = [name for name in _RUN_OUTPUTS if (self.run_dir / name).exists()]
+        if outputs and not self.config.overwrite:
+            why = "and no complete checkpoint to resume" if mode == "auto" else \
+                "and checkpoint.resume='never'"
+            raise ConfigError(
+                f"run folder {self.run_dir} holds an earlier run's outputs ({', '.join(outputs)}) "
+                f"{why}: pass --checkpoint.overwrite true to move them aside, or choose another "
+                f"--name"
+            )
+        if outputs:
+            aside = self.run_dir.with_name(
+                f"{self.run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+            aside.mkdir(parents=True)
+            for name in outputs:
+                shutil.move(str(self.run_dir / name), str(aside / name))
+            logger.warning("checkpoint.overwrite: moved the earlier run's outputs to %s", aside)
+        return None
+
+    def forget_steps_from(self, step: int) -> None:
+        """Resuming at ``step``: drop every step log's records of steps >= ``step`` (the killed
+        run's; they are trained and logged again), so each step appears once."""
+        for path in self.step_logs:
+            dropped = truncate_step_log(path, step)
+            if dropped:
+                logger.info("resume: dropped %d records of steps >= %d from %s", dropped, step,
+                            path)
+
+    def due(self, step: int) -> bool:
+        every = self.config.every_steps
+        return bool(every) and (step % every == 0 or step == self.num_steps)
+
+    async def save(self, trainer: CheckpointableTrainer, state: ControllerState) -> pathlib.Path:
+        directory = step_dir(self.root, state.step)
+        directory.mkdir(parents=True, exist_ok=True)
+        await trainer.save_checkpoint(directory / "trainer")
+        _fsync_tree(directory / "trainer")
+        state.rng_state = capture_rng_state()
+        write_controller_state(directory, state)
+        logger.info("checkpoint: %s", directory)
+        keep = self.config.keep_last
+        if keep:
+            for old in complete_checkpoints(self.root)[:-keep]:
+                shutil.rmtree(old)
+        return directory
+
+    async def restore(self, trainer: CheckpointableTrainer, directory: pathlib.Path,
+                      state: ControllerState) -> ControllerState:
+        """Load the trainer's state and the RNGs of the checkpoint ``prepare_run_dir`` found."""
+        await trainer.load_checkpoint(directory / "trainer")
+        restore_rng_state(state.rng_state)
+        logger.info("resumed from %s at step %d", directory, state.step)
+        return state

@@ -1,0 +1,315 @@
+"""The training loop: rollout workers generate while the trainer trains, within a staleness bound.
+
+    producer:  gate.admit() -> group g at policy version v -> task: rollouter.run_group_rollouts(
+               task.dataset("train")[cursor.prompt_index(g)]) -> gate.finish(g, samples)
+    trainer:   gate.take_step_groups(step) -> P finished groups -> trainer.train_step(samples)
+               -> trainer.push_weights(step + 1) -> gate.publish_version(step + 1)
+               -> metrics, trained_samples.jsonl, rollouts JSONL -> validation / checkpoint when due
+
+The bound (staleness.py): a group admitted at version v is trained at a step <= v + S. S = 0 is
+synchronous training: the producer admits exactly one step's groups and waits, so every step
+generates with the newest weights, then trains. S >= 1 overlaps generation and training.
+
+Resume: groups finished but untrained at the checkpoint come back with their samples; groups in
+flight restart from their prompts (same group id -> same prompt and request seeds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import statistics
+import time
+from typing import Any, Literal
+
+from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.controller.checkpointer import ControllerState, FinishedGroup
+from torchtitan_rl.controller.idle_ratios import IdleRatios
+from torchtitan_rl.controller.parts import RunParts
+from torchtitan_rl.controller.staleness import StalenessGate
+from torchtitan_rl.controller.supervision import RunFailedError
+from torchtitan_rl.faults import maybe_kill
+from torchtitan_rl.rollout import rollout_group_to_training_samples, rollout_metrics
+from torchtitan_rl.rollout.types import RolloutGroup
+
+logger = logging.getLogger(__name__)
+
+_MODE_REMOVED = ("the loop is one loop now: set loop.staleness.max_staleness = 0 for synchronous "
+                 "training (what mode = 'sync' was) or >= 1 for asynchronous")
+
+
+def _default_staleness() -> StalenessGate.Config:
+    return StalenessGate.Config(max_staleness=0)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _GroupResult:
+    finished: FinishedGroup
+    group: RolloutGroup | None
+    """The live group (None for groups restored from a checkpoint)."""
+
+
+class TrainingLoop(Configurable):
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        moved_keys = {"mode": _MODE_REMOVED, "prompts_per_step": "renamed loop.groups_per_step"}
+
+        num_steps: int = 10
+        """Optimizer steps to run."""
+        groups_per_step: int = 8
+        """Rollout groups (one prompt each, `rollouter.group_size` rollouts) a step trains on."""
+        staleness: StalenessGate.Config = dataclasses.field(default_factory=_default_staleness)
+        """max_staleness S: 0 = synchronous, 1 = one-step-off, ... (see staleness.py)."""
+        partial_rollout: Literal["none", "abort"] = "none"
+        """abort: at each weight push, running requests are aborted and resumed as prompt +
+        partial tokens on the new weights (per-token logprobs and versions kept). Needs S >= 1."""
+        off_policy_correction: Literal["auto", "tis", "none"] = "auto"
+        """tis: truncated importance sampling at token level (``trainer.loss.tis_cap`` set to
+        ``tis_cap`` when the loss has none of its own): stale tokens are weighted by
+        min(pi_trainer / pi_generator, cap). none: the loss exactly as configured. auto: tis when
+        training can be off-policy (max_staleness >= 1), else none."""
+        tis_cap: float = 2.0
+        """The cap used by truncated importance sampling. >= 1."""
+        max_skipped_steps_in_row: int = 3
+        """A step whose loss or gradient norm is not finite keeps the weights (no optimizer step,
+        no push; counted in trainer/num_skipped_steps); this many in a row fail the run."""
+
+        def __post_init__(self) -> None:
+            if self.num_steps < 0:
+                raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
+            if self.groups_per_step < 1:
+                raise ValueError(f"groups_per_step must be >= 1, got {self.groups_per_step}")
+            if self.tis_cap < 1:
+                raise ValueError(f"tis_cap must be >= 1, got {self.tis_cap}")
+            if self.max_skipped_steps_in_row < 1:
+                raise ValueError(f"max_skipped_steps_in_row must be >= 1, got "
+                                 f"{self.max_skipped_steps_in_row}")
+
+        @property
+        def uses_tis(self) -> bool:
+            if self.off_policy_correction == "auto":
+                return self.staleness.max_staleness >= 1
+            return self.off_policy_correction == "tis"
+
+    def __init__(self, config: Config, *, parts: RunParts, state: ControllerState,
+                 progress: Any = None) -> None:
+        self.config = config
+        self.parts = parts
+        self.state = state
+        self.progress = progress
+        """A tqdm bar (or None): one update per step."""
+        self.gate: StalenessGate[_GroupResult] = config.staleness.build(
+            groups_per_step=config.groups_per_step, version=state.step,
+            first_group_id=state.next_group_id,
+        )
+        self.train_episodes = parts.task.dataset("train")
+        self.idle_ratios = IdleRatios(parts.generate_fn.clock)
+        self.num_admitted = self.num_finished = self.num_dropped = 0
+        self.num_skipped_steps = self.num_skipped_in_row = self.num_checkpoints = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._failure: BaseException | None = None
+
+    async def run(self) -> None:
+        """Validate before (unless resumed past it), train to num_steps, validate after."""
+        validator = self.parts.validator
+        if validator.enabled and not self.state.validation_history:
+            await self.validate(self.state.step)
+        await self._restore_groups()
+        self.idle_ratios.restart()
+        producer = asyncio.create_task(self._produce(), name="rollout-producer")
+        try:
+            while self.state.step < self.config.num_steps:
+                await self._train_step(self.state.step)
+        finally:
+            producer.cancel()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(producer, *self._tasks, return_exceptions=True)
+        history = self.state.validation_history
+        if validator.enabled and (not history or history[-1][0] != self.state.step):
+            await self.validate(self.state.step)
+
+    # ---- producer --------------------------------------------------------------------------------
+    async def _produce(self) -> None:
+        total_groups = self.config.num_steps * self.config.groups_per_step
+        while self.gate.next_group_id < total_groups:
+            group_id, version = await self.gate.admit()
+            self._launch(group_id, version)
+
+    def _launch(self, group_id: int, version: int) -> None:
+        self.num_admitted += 1
+        task = asyncio.create_task(self._rollout(group_id, version), name=f"group={group_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._on_task_done)
+
+    def _on_task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._failure = task.exception()
+
+    async def _rollout(self, group_id: int, admit_version: int) -> None:
+        parts = self.parts
+        episode = self.train_episodes[parts.cursor.prompt_index(group_id)]
+        group = await parts.rollouter.run_group_rollouts(
+            parts.generate_fn, episode, group_id, parts.group_size, parts.sampling)
+        self.num_finished += 1
+        self.num_dropped += group.dropped
+        finished = FinishedGroup(
+            group_id=group_id, admit_version=admit_version,
+            samples=rollout_group_to_training_samples(group), rewards=group.rewards,
+            dropped=group.dropped,
+        )
+        await self.gate.finish(group_id, _GroupResult(finished=finished, group=group))
+        maybe_kill("kill_controller_after_groups", self.num_finished)
+
+    # ---- trainer ---------------------------------------------------------------------------------
+    async def _train_step(self, step: int) -> None:
+        parts, state = self.parts, self.state
+        start = time.perf_counter()
+        taken = await self._take(step)
+        train_start = time.perf_counter()
+        results = [result for _, _, result in taken]
+        groups = [r.group for r in results if r.group is not None]
+        samples = [s for r in results for s in r.finished.samples]
+        group_ids = [g for g, _, _ in taken]
+
+        train_metrics = await parts.trainer.train_step(samples, step)
+        push_start = time.perf_counter()
+        version = step + 1
+        push_metrics: dict[str, float] = {}
+        if not self._count_skipped(step, train_metrics):  # else: the weights did not change
+            push_metrics = await parts.trainer.push_weights(version)
+        await self.gate.publish_version(version)
+        end = time.perf_counter()
+
+        state.step = version
+        state.trained_group_ids.extend(group_ids)
+        self._log_trained(step, group_ids, samples)
+        step_s = end - start
+        num_tokens = sum(r.num_output_tokens for g in groups for r in g.rollouts)
+        metrics = {
+            **self._rollout_metrics(groups, results),
+            **self._staleness_metrics(step, taken, samples),
+            **train_metrics,
+            **push_metrics,
+            "time/generate_s": train_start - start,
+            "time/train_s": push_start - train_start,
+            "time/sync_s": end - push_start,
+            "time/step_s": step_s,
+            "throughput/generated_tokens_per_s": num_tokens / max(step_s, 1e-9),
+            "throughput/num_training_samples": float(len(samples)),
+            **self.idle_ratios.end_step(trainer_busy_s=end - train_start),
+            **parts.router.metrics(),
+        }
+        if "rollout_reward/mean" in metrics:
+            state.reward_history.append((step, metrics["rollout_reward/mean"]))
+        parts.metrics.log(step, metrics)
+        parts.recorder.maybe_record(step, groups, parts.tokenizer)
+        if self.progress is not None:
+            self.progress.update(1)
+            self.progress.set_postfix(
+                reward=f"{metrics.get('rollout_reward/mean', float('nan')):.3f}",
+                tok_s=f"{metrics['throughput/generated_tokens_per_s']:.0f}",
+            )
+        if parts.validator.due(version) and version < self.config.num_steps:
+            await self.validate(version)
+        if parts.checkpointer.due(version):
+            self._capture_groups()
+            await parts.checkpointer.save(parts.trainer, state)
+            self.num_checkpoints += 1
+            maybe_kill("kill_controller_after_checkpoints", self.num_checkpoints)
+
+    def _count_skipped(self, step: int, train_metrics: dict[str, float]) -> bool:
+        """Whether the trainer skipped this step's update (non-finite loss or gradient norm);
+        fails the run after ``max_skipped_steps_in_row`` in a row."""
+        skipped = train_metrics.get("trainer/skipped_step", 0.0) == 1.0
+        self.num_skipped_steps += skipped
+        self.num_skipped_in_row = self.num_skipped_in_row + 1 if skipped else 0
+        train_metrics["trainer/num_skipped_steps"] = float(self.num_skipped_steps)
+        if self.num_skipped_in_row >= self.config.max_skipped_steps_in_row:
+            raise RunFailedError(
+                f"step {step}: {self.num_skipped_in_row} steps in a row had a non-finite loss or "
+                f"gradient norm (trainer/grad_norm={train_metrics.get('trainer/grad_norm')}); "
+                f"the weights were kept, the run stops (loop.max_skipped_steps_in_row)"
+            )
+        return skipped
+
+    async def _take(self, step: int) -> list[tuple[int, int, _GroupResult]]:
+        """The gate's groups for ``step``; a failed rollout task (a dead generator) fails the run."""
+        take = asyncio.create_task(self.gate.take_step_groups(step))
+        while True:
+            if self._failure is not None:
+                take.cancel()
+                raise RunFailedError(f"a rollout group failed: {self._failure}") from self._failure
+            await asyncio.wait({take, *self._tasks}, return_when=asyncio.FIRST_COMPLETED)
+            if take.done():
+                return take.result()
+
+    @staticmethod
+    def _rollout_metrics(groups: list[RolloutGroup],
+                         results: list[_GroupResult]) -> dict[str, float]:
+        metrics = rollout_metrics(groups) if groups else {}
+        if len(groups) < len(results):  # restored groups: rewards are all a checkpoint keeps
+            rewards = [x for r in results for x in r.finished.rewards]
+            metrics["rollout_reward/mean"] = statistics.fmean(rewards) if rewards else 0.0
+        return metrics
+
+    def _staleness_metrics(self, step: int, taken: list, samples: list) -> dict[str, float]:
+        ages = [step - s.oldest_policy_version for s in samples
+                if s.oldest_policy_version is not None]
+        metrics = {
+            "async/groups_admitted": float(self.num_admitted),
+            "async/groups_finished": float(self.num_finished),
+            "async/groups_trained": float(self.gate.num_consumed),
+            "async/groups_dropped": float(self.num_dropped),
+            "async/groups_in_flight": float(self.gate.num_running),
+            "async/admit_age_max": float(max(step - v for _, v, _ in taken)),
+        }
+        if ages:
+            metrics.update({
+                "async/policy_age_min": float(min(ages)),
+                "async/policy_age_mean": statistics.fmean(ages),
+                "async/policy_age_max": float(max(ages)),
+            })
+        return metrics
+
+    async def validate(self, step: int) -> None:
+        parts = self.parts
+        result = await parts.validator.run(parts.generate_fn, parts.sampling)
+        self.state.validation_history.append((step, result.reward_mean, result.reward_stderr))
+        parts.metrics.log(step, result.metrics())
+        logger.info("validation step=%d reward=%.4f +- %.4f (%d rollouts)", step,
+                    result.reward_mean, result.reward_stderr, result.num_rollouts)
+
+    # ---- the trained-samples log: which groups and samples every step trained on -----------------
+    def _log_trained(self, step: int, group_ids: list[int], samples: list) -> None:
+        with self.parts.checkpointer.trained_log_path.open("a") as f:
+            f.write(json.dumps({"step": step, "group_ids": group_ids,
+                                "sample_ids": [s.sample_id for s in samples]}) + "\n")
+
+    # ---- checkpoint / resume ---------------------------------------------------------------------
+    def _capture_groups(self) -> None:
+        """Record the gate's groups in the state a checkpoint writes."""
+        finished = [r.finished for r in self.gate.finished_results().values()]
+        finished_ids = {f.group_id for f in finished}
+        self.state.next_group_id = self.gate.next_group_id
+        self.state.finished = finished
+        self.state.in_flight = [(g, v) for g, v in self.gate.in_flight() if g not in finished_ids]
+
+    async def _restore_groups(self) -> None:
+        state = self.state
+        for finished in state.finished:
+            await self.gate.readmit(finished.group_id, finished.admit_version)
+            await self.gate.finish(finished.group_id, _GroupResult(finished=finished, group=None))
+        for group_id, version in state.in_flight:
+            await self.gate.readmit(group_id, version)
+            self._launch(group_id, version)
+        if state.finished or state.in_flight:
+            logger.info("resumed %d finished and %d in-flight groups", len(state.finished),
+                        len(state.in_flight))
+        known = set(state.trained_group_ids) | {f.group_id for f in state.finished} | {
+            g for g, _ in state.in_flight}
+        missing = sorted(set(range(state.next_group_id)) - known)
+        assert not missing, f"checkpoint lost track of groups {missing[:10]}"

@@ -1,0 +1,64 @@
+"""The objects a run's loop works with, built in one place (controller/spawn.py `build_parts`).
+
+    task ------------- episodes (train / validation) and environments
+    cursor ----------- group id -> training prompt index (resume needs one integer)
+    rollouter -------- episode -> scored RolloutGroup, through generate_fn
+    generate_fn ------ BusyGenerateFn(ResumingGenerateFn?(router)): idle clock, partial rollouts
+    router ----------- requests over the generators (GeneratorHandle: one vLLM mesh each)
+    trainer ---------- TrainerClient: train_step, push_weights, checkpoints, HF export
+    validator -------- held-out reward
+    checkpointer ----- trainer DCP + controller state; resume
+    metrics, recorder  TensorBoard + metrics.jsonl; rollouts.jsonl
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any
+
+from torchtitan_rl.controller.checkpointer import Checkpointer
+from torchtitan_rl.controller.data_cursor import DataCursor
+from torchtitan_rl.controller.idle_ratios import BusyGenerateFn
+from torchtitan_rl.controller.router import GeneratorRouter
+from torchtitan_rl.controller.trainer_client import TrainerClient
+from torchtitan_rl.controller.validation import Validator
+from torchtitan_rl.generator import GeneratorHandle
+from torchtitan_rl.metrics.logger import MetricsLogger
+from torchtitan_rl.rollout.recorder import RolloutRecorder
+from torchtitan_rl.rollout.rollouter import Rollouter
+from torchtitan_rl.task import Task
+from torchtitan_rl.types import Sampling
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RunParts:
+    task: Task
+    tokenizer: Any
+    """The model's HF tokenizer (decoding rollouts for the recorder)."""
+    cursor: DataCursor
+    rollouter: Rollouter
+    group_size: int
+    sampling: Sampling
+    """Training rollouts' sampling (its seed is the base of every request seed)."""
+    generate_fn: BusyGenerateFn
+    router: GeneratorRouter
+    generators: list[GeneratorHandle]
+    trainer: TrainerClient
+    validator: Validator
+    checkpointer: Checkpointer
+    metrics: MetricsLogger
+    recorder: RolloutRecorder
+
+    async def close(self) -> None:
+        """Close the meshes (generators first: their outstanding calls fail, never hang) and the
+        metrics files; a failure to close one is logged, not raised."""
+        self.metrics.close()
+        results = await asyncio.gather(*(g.close() for g in self.generators),
+                                       self.trainer.close(), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                logger.warning("shutdown: %r", result)

@@ -1,0 +1,124 @@
+"""What every part of a run is built with: derived once from the user's RLJob.Config, checked,
+before anything is spawned (`RLJob.resolve`, controller/job.py).
+
+    RLJob.Config (what the user wrote)  --RLJob.resolve()-->  ResolvedJob  --check()-->  parts
+
+Derived here and nowhere else: the model directory (the made model, warm-started when enabled),
+every part's seed (the job's), the generators' model directory, the trainer's truncated
+importance-sampling cap (on by default when training off-policy), the sampling seed.
+``--print-resolved`` prints it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.controller.checkpointer import Checkpointer
+from torchtitan_rl.controller.loop import TrainingLoop
+from torchtitan_rl.controller.router import GeneratorRouter
+from torchtitan_rl.controller.validation import Validator
+from torchtitan_rl.controller.warm_start import WarmStart
+from torchtitan_rl.generator import Generator
+from torchtitan_rl.metrics.logger import MetricsLogger
+from torchtitan_rl.rollout.recorder import RolloutRecorder
+from torchtitan_rl.rollout.rollouter import Rollouter
+from torchtitan_rl.task import TaskConfig
+from torchtitan_rl.trainer.batcher import Batcher
+from torchtitan_rl.trainer.trainer import PolicyTrainer
+from torchtitan_rl.types import Sampling
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ResolvedJob:
+    run_dir: str
+    seed: int
+    base_model_dir: str
+    """The model before the warm start (the made or given HF directory)."""
+    model_dir: str
+    """The model every part starts from: base_model_dir, or its warm start (cached)."""
+    warm_start: WarmStart.Config | None
+    """None: no warm start."""
+    warm_start_fingerprint: str
+    """The task settings the warm start's data depends on (part of its cache key)."""
+    task: TaskConfig
+    rollouter: Rollouter.Config
+    sampling: Sampling
+    generators: list[Generator.Config]
+    router: GeneratorRouter.Config
+    trainer: PolicyTrainer.Config
+    num_trainer_ranks: int
+    verify_weight_push: bool
+    batcher: Batcher.Config
+    loop: TrainingLoop.Config
+    validation: Validator.Config
+    checkpoint: Checkpointer.Config
+    metrics: MetricsLogger.Config
+    recorder: RolloutRecorder.Config
+
+    def check(self) -> None:
+        """Cross-field checks; each raises one ConfigError line naming the keys."""
+        if self.task.__class__ is TaskConfig:
+            raise ConfigError(
+                "task.type: name the task class, e.g. [task] type = "
+                "\"examples.alphabet_sort:AlphabetSortTask\" (any class whose Config subclasses "
+                "torchtitan_rl.task.TaskConfig)"
+            )
+        owner = getattr(type(self.task), "_owner", None)
+        if self.warm_start is not None and not hasattr(owner, "solved_conversation"):
+            raise ConfigError(
+                f"warm_start.enabled needs a task that solves its episodes "
+                f"(solved_conversation(episode)); {owner.__qualname__} has none"
+            )
+        hf = json.loads((pathlib.Path(self.base_model_dir) / "config.json").read_text())
+        heads = hf["num_attention_heads"]
+        kv_heads = hf.get("num_key_value_heads", heads)
+        generator = self.generators[0]
+        for key, tp in (("generator.tensor_parallel_degree", generator.tensor_parallel_degree),
+                        ("trainer.tensor_parallel_degree", self.trainer.tensor_parallel_degree)):
+            if heads % tp or kv_heads % tp:
+                raise ConfigError(
+                    f"{key}={tp} must divide the model's attention heads ({heads}) and kv heads "
+                    f"({kv_heads}) of {self.base_model_dir}"
+                )
+        dp = self.trainer.data_parallel_shard_degree
+        ranks = self.num_trainer_ranks
+        tp = self.trainer.tensor_parallel_degree
+        if ranks % tp or (dp != -1 and dp * tp != ranks):
+            raise ConfigError(
+                f"num_trainer_ranks={ranks} must equal trainer.data_parallel_shard_degree ({dp}) "
+                f"x trainer.tensor_parallel_degree ({tp})"
+            )
+        budget = self.rollouter.max_rollout_tokens
+        if budget > generator.max_model_len:
+            raise ConfigError(
+                f"rollouter.max_rollout_tokens={budget} exceeds generator.max_model_len="
+                f"{generator.max_model_len}"
+            )
+        if self.batcher.seq_len < budget:
+            raise ConfigError(
+                f"batcher.seq_len={self.batcher.seq_len} is shorter than a rollout can be "
+                f"(rollouter.max_rollout_tokens={budget}): raise seq_len or lower the budget"
+            )
+        if self.sampling.max_tokens >= budget:
+            raise ConfigError(
+                f"sampling.max_tokens={self.sampling.max_tokens} leaves no room for the prompt "
+                f"in rollouter.max_rollout_tokens={budget}"
+            )
+        if self.loop.partial_rollout != "none" and self.loop.staleness.max_staleness == 0:
+            raise ConfigError(
+                "loop.partial_rollout='abort' needs loop.staleness.max_staleness >= 1 (at "
+                "staleness 0 no request runs while weights are pushed)"
+            )
+        if self.loop.partial_rollout == "abort" and generator.weight_sync.mode != "hot_swap":
+            raise ConfigError(
+                "loop.partial_rollout='abort' needs generator.weight_sync.mode='hot_swap', got "
+                f"{generator.weight_sync.mode!r}"
+            )
+        if self.verify_weight_push and generator.tensor_parallel_degree != 1:
+            raise ConfigError(
+                "verify_weight_push needs generator.tensor_parallel_degree=1 (TP ranks hold "
+                f"shards), got {generator.tensor_parallel_degree}"
+            )

@@ -1,0 +1,51 @@
+"""What a task is: the episodes to train and validate on, and the environment that plays one.
+
+    [task]                                        # the job config names the task class
+    type = "examples.alphabet_sort:AlphabetSortTask"
+    max_turns = 2                                 # and its own typed settings
+
+    task = job.task.build()                       # a Configurable whose Config subclasses TaskConfig
+    task.dataset("train")[i]   -> an episode spec (picklable)
+    task.make_env(episode)     -> a MessageEnv the Rollouter plays against a GenerateFn
+    task.solved_conversation(episode)             optional: the supervised warm start's data
+
+The library never imports a task: the job's ``task`` field holds any subclass of `TaskConfig`, and
+the config loader imports the class that ``type`` names (see config/convert.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+
+from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.rollout.message_env import Message, MessageEnv
+
+Split = Literal["train", "validation"]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TaskConfig(Configurable.Config):
+    """Base of every task's Config. In a TOML file, ``type`` names the task class."""
+
+    polymorphic: ClassVar[bool] = True
+    warm_start_independent_fields: ClassVar[tuple[str, ...]] = ()
+    """Settings that do not change the training split's solved conversations (validation-only or
+    reward-only ones): changing them keeps a cached warm start."""
+
+
+class Task(Protocol):
+    def dataset(self, split: Split) -> Sequence[Any]:
+        """The episode specs of a split, indexable; the same spec for the same (config, index)."""
+
+    def make_env(self, episode: Any) -> MessageEnv:
+        """A fresh environment for one rollout of ``episode``."""
+
+
+@runtime_checkable
+class SupervisedTask(Task, Protocol):
+    """A task that can also solve its own episodes: what `WarmStart` trains on."""
+
+    def solved_conversation(self, episode: Any) -> list[Message]:
+        """The episode's conversation with every assistant turn answered correctly."""

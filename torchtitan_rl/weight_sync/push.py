@@ -1,0 +1,144 @@
+"""The trainer side of a weight sync: rank 0 pushes a full state dict to a generator mesh.
+
+    every trainer rank: full_model_state_dict()   (a collective: the caller gathers first)
+    rank 0: WeightPusher.push(policy_version, state_dict, target, transport=, verify=)
+      transport "message":        the tensors travel in the pull call itself (any host)
+      transport "shared_memory":  one copy into a POSIX shared segment, references in the call
+                                  (same host only, shared_memory.py)
+      target.pull_model_state_dict(policy_version, payload)   every generator rank pulls
+                                  (pull.py) and reports its convert/load seconds
+      verify: target.read_hf_weights() -> every generator rank's HF weights, compared bitwise
+              with the trainer's (weight_mismatches); any difference raises
+    -> weight_sync/* metrics
+
+The target is a `PullTarget`: a ``GeneratorHandle`` is one (the controller and a torchrun launch
+push to it directly); inside a trainer actor the generator actor mesh it receives is wrapped in
+`ActorMeshTarget`. Either way the pusher never imports the generator.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Literal, Protocol
+
+import torch
+
+from torchtitan_rl.models.qwen3 import hf_state_dict_from_torchtitan
+from torchtitan_rl.weight_sync.pull import weight_mismatches
+from torchtitan_rl.weight_sync.shared_memory import SharedMemoryStager
+
+logger = logging.getLogger(__name__)
+
+WeightTransport = Literal["message", "shared_memory"]
+WEIGHT_TRANSPORTS: tuple[WeightTransport, ...] = ("message", "shared_memory")
+
+PullTimings = dict[str, float]
+"""What one generator rank reports for a pull: ``convert_s`` (names and checks) and ``load_s``
+(writing into vLLM, between engine steps)."""
+
+
+class PullTarget(Protocol):
+    """Every rank of one generator: what a push needs from it."""
+
+    async def pull_model_state_dict(
+        self, policy_version: int, state_dict: dict[str, Any]
+    ) -> list[PullTimings | None]:
+        """Every rank pulls ``state_dict`` as ``policy_version``; returns once all have, with
+        each rank's timings (None: the rank reports none)."""
+        ...
+
+    async def read_hf_weights(self) -> list[dict[str, torch.Tensor]]:
+        """Every rank's weights by HF name, as its engine computes with them."""
+        ...
+
+
+class ActorMeshTarget:
+    """A Monarch actor mesh of generator ranks (each with ``pull_model_state_dict`` and
+    ``read_hf_weights`` endpoints, as `Generator` has) seen as a `PullTarget`."""
+
+    def __init__(self, actors: Any) -> None:
+        self.actors = actors
+
+    async def pull_model_state_dict(
+        self, policy_version: int, state_dict: dict[str, Any]
+    ) -> list[PullTimings | None]:
+        values = await self.actors.pull_model_state_dict.call(policy_version, state_dict)
+        return [value for _, value in values.items()]
+
+    async def read_hf_weights(self) -> list[dict[str, torch.Tensor]]:
+        return [weights for _, weights in (await self.actors.read_hf_weights.call()).items()]
+
+
+class WeightPusher:
+    """Rank 0's pusher; one per trainer (it owns the shared-memory segment, reused across pushes).
+    Call ``close()`` when done (an atexit hook unlinks the segment otherwise)."""
+
+    def __init__(self, *, model_config: Any) -> None:
+        self.model_config = model_config
+        """The trainer's torchtitan model config (HF names and tied embeddings for verify)."""
+        self._stager: SharedMemoryStager | None = None
+
+    async def push(
+        self,
+        policy_version: int,
+        state_dict: dict[str, torch.Tensor],
+        target: PullTarget,
+        *,
+        transport: WeightTransport = "message",
+        verify: bool = False,
+    ) -> dict[str, float]:
+        """Push the full (plain, gathered) torchtitan-named ``state_dict`` to every rank of
+        ``target`` as ``policy_version``; returns once every rank has pulled it (and, with
+        ``verify``, its weights were read back equal). Raises RuntimeError on a difference."""
+        if transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(
+                f"weight_transport must be one of {WEIGHT_TRANSPORTS}, got {transport!r}"
+            )
+        sent = time.perf_counter()
+        metrics: dict[str, float] = {}
+        payload: dict[str, Any] = state_dict
+        if transport == "shared_memory":
+            if self._stager is None:
+                self._stager = SharedMemoryStager()
+            payload = self._stager.stage(state_dict)
+            metrics["weight_sync/stage_s"] = time.perf_counter() - sent
+        timings = [t for t in await target.pull_model_state_dict(policy_version, payload) if t]
+        metrics["weight_sync/pull_s"] = time.perf_counter() - sent
+        metrics["weight_sync/bytes"] = float(num_bytes(state_dict))
+        for key in ("convert_s", "load_s"):
+            if any(key in t for t in timings):
+                metrics[f"weight_sync/generator_{key}"] = max(t.get(key, 0.0) for t in timings)
+        if verify:
+            start = time.perf_counter()
+            metrics["weight_sync/num_mismatched_tensors"] = float(
+                await self._verify(policy_version, state_dict, target))
+            metrics["weight_sync/verify_s"] = time.perf_counter() - start
+        return metrics
+
+    async def _verify(self, policy_version: int, state_dict: dict[str, torch.Tensor],
+                      target: PullTarget) -> int:
+        expected = hf_state_dict_from_torchtitan(state_dict, self.model_config)
+        tied = self.model_config.enable_weight_tying
+        bad = sorted({name for weights in await target.read_hf_weights()
+                      for name in weight_mismatches(expected, weights, tied=tied)})
+        if bad:
+            raise RuntimeError(
+                f"weight push of policy version {policy_version}: generator weights differ "
+                f"from the trainer's in {len(bad)} tensors: {bad[:5]}"
+            )
+        return 0
+
+    def close(self) -> None:
+        """Unlink the shared-memory segment (if any)."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+
+def num_bytes(state_dict: dict[str, torch.Tensor]) -> int:
+    """Bytes of the distinct tensors (a tied embedding counts once)."""
+    seen: dict[int, int] = {}
+    for tensor in state_dict.values():
+        seen[id(tensor)] = tensor.numel() * tensor.element_size()
+    return sum(seen.values())
