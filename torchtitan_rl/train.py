@@ -20,6 +20,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+# Monarch polls its procs' health every 10 s by default: a dead generator would stall the run that
+# long before it is replaced. Set before Monarch starts (procs inherit it); a user's value wins.
+os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
+
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.config.manager import config_to_toml, parse_args
 from torchtitan_rl.controller.job import RLJob

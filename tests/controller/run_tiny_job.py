@@ -1,6 +1,6 @@
 """Run a tiny job in its own process (for tests that kill it): python -m tests.controller.run_tiny_job
 OUTPUT_DIR NAME NUM_STEPS [--resume] [--num-prompts N] [--staleness S] [--partial-rollout abort]
-[--num-generators N]. Staleness 0 (the default) is synchronous training."""
+[--num-generators N] [--max-restarts N]. Staleness 0 (the default) is synchronous training."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument("--staleness", type=int, default=0)
     parser.add_argument("--partial-rollout", choices=["none", "abort"], default="none")
     parser.add_argument("--num-generators", type=int, default=1)
+    parser.add_argument("--max-restarts", type=int, default=3)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = tiny_job(args.output_dir, args.name, num_steps=args.num_steps,
@@ -36,6 +37,7 @@ def run(argv: list[str] | None = None) -> None:
         checkpoint=dataclasses.replace(config.checkpoint,
                                        resume="must" if args.resume else "never"),
         num_generators=args.num_generators,
+        generator=dataclasses.replace(config.generator, max_restarts=args.max_restarts),
     )
     sys.exit(run_and_report(config))
 

@@ -183,11 +183,93 @@ def test_off_policy_training_turns_truncated_importance_sampling_on_unless_confi
 
 
 @pytest.mark.parametrize("staleness", ["0", "1"])
-def test_generator_death_fails_the_run_with_a_clear_error(tmp_path, staleness):
+def test_generator_death_past_max_restarts_fails_the_run_with_a_clear_error(tmp_path, staleness):
     proc = _run_tiny_job(str(tmp_path), "dies", "3", "--staleness", staleness,
-                         fault="kill_generator_after_requests:5")
+                         "--max-restarts", "0", fault="kill_generator_after_requests:5")
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
-    assert errors[0].startswith("error: actor mesh failure:")
-    assert "generator_0" in errors[0] and "Killed(sig=9)" in errors[0]
+    assert errors[0].startswith("error: actor mesh failure: generator_0 was lost 1 times "
+                                "(generator.max_restarts=0)")
+    assert "Killed(sig=9)" in errors[0] or "SupervisionError" in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("staleness, num_generators", [(0, 1), (1, 2)])
+def test_generator_killed_mid_step_is_replaced_and_nothing_is_lost(tmp_path, staleness,
+                                                                   num_generators):
+    num_steps, num_prompts = 6, 12
+    env = dict(os.environ)
+    env.pop(ENV_VAR, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "lost",
+         str(num_steps), "--num-prompts", str(num_prompts), "--staleness", str(staleness),
+         "--num-generators", str(num_generators)],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    log = _LogWatch(proc.stderr)
+    try:
+        # generator_0's pid, from the controller's log; kill it from outside once step 1 trained
+        started = log.wait_for(r"generator generator_0 started \(tp=1, pids (\d+),")
+        log.wait_for(r"step=1 ")
+        os.kill(int(started.group(1)), signal.SIGKILL)
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stdout = proc.stdout.read()
+    assert proc.returncode == 0, log.text()[-4000:]
+    assert "steps=6" in stdout.strip().splitlines()[-1].split()
+
+    run_dir = tmp_path / "lost"
+    steps = [json.loads(line) for line in
+             (run_dir / "trained_samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(num_steps))  # every step once
+    group_ids = [g for s in steps for g in s["group_ids"]]
+    assert sorted(group_ids) == list(range(num_prompts))  # every group once, none twice
+    sample_ids = [i for s in steps for i in s["sample_ids"]]
+    assert len(sample_ids) == len(set(sample_ids))
+    last = read_metrics(run_dir)[num_steps - 1]
+    assert last["generator/restarts"] == 1
+    assert last["generator/recovery_s"] > 0
+    assert "generator_0 replaced by generator_0_r1" in log.text()
+    if num_generators == 2:  # the other generator served while the first was replaced
+        assert last["generator/requests_served_by_others_during_recovery"] > 0
+
+
+class _LogWatch:
+    """Reads a process's stderr on a thread; ``wait_for`` blocks until a line matches."""
+
+    def __init__(self, stream) -> None:
+        import threading
+
+        self._lines: list[str] = []
+        self._changed = threading.Condition()
+        self._closed = False
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            with self._changed:
+                self._lines.append(line)
+                self._changed.notify_all()
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def wait_for(self, pattern: str, timeout_s: float = 600.0):
+        import re
+
+        regex = re.compile(pattern)
+        with self._changed:
+            seen = 0
+            while True:
+                for line in self._lines[seen:]:
+                    if match := regex.search(line):
+                        return match
+                seen = len(self._lines)
+                assert not self._closed, f"process ended before {pattern!r}: {self.text()[-3000:]}"
+                assert self._changed.wait(timeout_s), f"no {pattern!r} in {timeout_s} s"
+
+    def text(self) -> str:
+        with self._changed:
+            return "".join(self._lines)

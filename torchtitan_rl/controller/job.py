@@ -180,7 +180,8 @@ class RLJob(Configurable):
         with MeshFailureWatch() as watch:
             parts = await build_parts(
                 plan, checkpointer=checkpointer, spawn_trainer_ranks=spawn_trainer_ranks,
-                resume_step=state.step if resume_dir is not None else None)
+                on_fatal=watch.fail, resume_step=state.step if resume_dir is not None else None)
+            watch.attach(parts.generators)
             try:
                 try:
                     await watch.run_until_failure(self._train(plan, parts, resume_dir, state))
@@ -210,7 +211,7 @@ class RLJob(Configurable):
 
         if resume_dir is not None:
             await parts.checkpointer.restore(parts.trainer, resume_dir, state)
-            await parts.trainer.push_weights(state.step)
+            await parts.generators.push_weights(state.step)
             for step, mean, stderr in state.validation_history:
                 if step == state.step:  # its log lines were dropped with the killed run's
                     parts.metrics.log(step, {"validation/reward_mean": mean,

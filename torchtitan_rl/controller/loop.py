@@ -2,8 +2,9 @@
 
     producer:  gate.admit() -> group g at policy version v -> task: rollouter.run_group_rollouts(
                task.dataset("train")[cursor.prompt_index(g)]) -> gate.finish(g, samples)
+               (a group that lost its generator restarts whole from its prompt)
     trainer:   gate.take_step_groups(step) -> P finished groups -> trainer.train_step(samples)
-               -> trainer.push_weights(step + 1) -> gate.publish_version(step + 1)
+               -> generators.push_weights(step + 1) -> gate.publish_version(step + 1)
                -> metrics, trained_samples.jsonl, rollouts JSONL -> validation / checkpoint when due
 
 The bound (staleness.py): a group admitted at version v is trained at a step <= v + S. S = 0 is
@@ -31,6 +32,7 @@ from torchtitan_rl.controller.parts import RunParts
 from torchtitan_rl.controller.staleness import StalenessGate
 from torchtitan_rl.controller.supervision import RunFailedError
 from torchtitan_rl.faults import maybe_kill
+from torchtitan_rl.generator import GeneratorLostError
 from torchtitan_rl.rollout import rollout_group_to_training_samples, rollout_metrics
 from torchtitan_rl.rollout.types import RolloutGroup
 
@@ -108,6 +110,7 @@ class TrainingLoop(Configurable):
         self.idle_ratios = IdleRatios(parts.generate_fn.clock)
         self.num_admitted = self.num_finished = self.num_dropped = 0
         self.num_skipped_steps = self.num_skipped_in_row = self.num_checkpoints = 0
+        self.num_groups_restarted = 0
         self._tasks: set[asyncio.Task] = set()
         self._failure: BaseException | None = None
 
@@ -152,8 +155,16 @@ class TrainingLoop(Configurable):
     async def _rollout(self, group_id: int, admit_version: int) -> None:
         parts = self.parts
         episode = self.train_episodes[parts.cursor.prompt_index(group_id)]
-        group = await parts.rollouter.run_group_rollouts(
-            parts.generate_fn, episode, group_id, parts.group_size, parts.sampling)
+        while True:
+            try:
+                group = await parts.rollouter.run_group_rollouts(
+                    parts.generate_fn, episode, group_id, parts.group_size, parts.sampling)
+                break
+            except GeneratorLostError as e:
+                # Whole, from its prompt, with the same group id (same request seeds), exactly
+                # as a resumed run restarts its in-flight groups.
+                self.num_groups_restarted += 1
+                logger.warning("group %d restarts from its prompt: %s", group_id, e)
         self.num_finished += 1
         self.num_dropped += group.dropped
         finished = FinishedGroup(
@@ -180,7 +191,7 @@ class TrainingLoop(Configurable):
         version = step + 1
         push_metrics: dict[str, float] = {}
         if not self._count_skipped(step, train_metrics):  # else: the weights did not change
-            push_metrics = await parts.trainer.push_weights(version)
+            push_metrics = await parts.generators.push_weights(version)
         await self.gate.publish_version(version)
         end = time.perf_counter()
 
@@ -201,7 +212,8 @@ class TrainingLoop(Configurable):
             "throughput/generated_tokens_per_s": num_tokens / max(step_s, 1e-9),
             "throughput/num_training_samples": float(len(samples)),
             **self.idle_ratios.end_step(trainer_busy_s=end - train_start),
-            **parts.router.metrics(),
+            **parts.generators.metrics(),
+            "generator/groups_restarted_after_loss": float(self.num_groups_restarted),
         }
         if "rollout_reward/mean" in metrics:
             state.reward_history.append((step, metrics["rollout_reward/mean"]))

@@ -4,8 +4,8 @@
     cursor ----------- group id -> training prompt index (resume needs one integer)
     rollouter -------- episode -> scored RolloutGroup, through generate_fn
     generate_fn ------ BusyGenerateFn(ResumingGenerateFn?(router)): idle clock, partial rollouts
-    router ----------- requests over the generators (GeneratorHandle: one vLLM mesh each)
-    trainer ---------- TrainerClient: train_step, push_weights, checkpoints, HF export
+    generators ------- GeneratorPool: the vLLM meshes, their router, weight pushes, replacement
+    trainer ---------- TrainerClient: train_step, push_to(generator), checkpoints, HF export
     validator -------- held-out reward
     checkpointer ----- trainer DCP + controller state; resume
     metrics, recorder  TensorBoard + metrics.jsonl; rollouts.jsonl
@@ -20,11 +20,10 @@ from typing import Any
 
 from torchtitan_rl.controller.checkpointer import Checkpointer
 from torchtitan_rl.controller.data_cursor import DataCursor
+from torchtitan_rl.controller.generator_pool import GeneratorPool
 from torchtitan_rl.controller.idle_ratios import BusyGenerateFn
-from torchtitan_rl.controller.router import GeneratorRouter
 from torchtitan_rl.controller.trainer_client import TrainerClient
 from torchtitan_rl.controller.validation import Validator
-from torchtitan_rl.generator import GeneratorHandle
 from torchtitan_rl.metrics.logger import MetricsLogger
 from torchtitan_rl.rollout.recorder import RolloutRecorder
 from torchtitan_rl.rollout.rollouter import Rollouter
@@ -45,8 +44,7 @@ class RunParts:
     sampling: Sampling
     """Training rollouts' sampling (its seed is the base of every request seed)."""
     generate_fn: BusyGenerateFn
-    router: GeneratorRouter
-    generators: list[GeneratorHandle]
+    generators: GeneratorPool
     trainer: TrainerClient
     validator: Validator
     checkpointer: Checkpointer
@@ -57,8 +55,8 @@ class RunParts:
         """Close the meshes (generators first: their outstanding calls fail, never hang) and the
         metrics files; a failure to close one is logged, not raised."""
         self.metrics.close()
-        results = await asyncio.gather(*(g.close() for g in self.generators),
-                                       self.trainer.close(), return_exceptions=True)
+        results = await asyncio.gather(self.generators.close(), self.trainer.close(),
+                                       return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 logger.warning("shutdown: %r", result)

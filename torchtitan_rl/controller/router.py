@@ -8,12 +8,14 @@ Strategies:
   kept. While a generator syncs weights, new sessions avoid it and its sessions are re-pinned to
   the least-loaded generator that is not syncing.
 
-A generator that raises fails the request with that error (the run stops with a clear message);
-the router never retries silently.
+A generator that raises fails the request with that error; the router never retries silently. A
+lost generator is taken out (``take_out``) until its replacement is put back (``put_back``): its
+sessions are re-pinned, and with no generator left a request waits for one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import itertools
@@ -46,6 +48,10 @@ class GeneratorRouter(Configurable):
         self.inflight_requests = [0] * len(generators)
         self.num_routed = [0] * len(generators)
         self._syncing: set[int] = set()
+        self._out: set[int] = set()
+        """Generators taken out (lost, being replaced)."""
+        self._any_in = asyncio.Event()
+        self._any_in.set()
         self._round_robin = itertools.cycle(range(len(generators)))
         self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()
 
@@ -53,11 +59,15 @@ class GeneratorRouter(Configurable):
     def pick(self, session_id: str | None) -> int:
         strategy = self.config.strategy
         if strategy == "round_robin":
-            return next(self._round_robin)
+            for _ in range(len(self.generators)):
+                index = next(self._round_robin)
+                if index not in self._out:
+                    return index
+            raise RuntimeError("no generator in the router")
         if strategy == "least_loaded" or session_id is None:
             return self._least_loaded()
         index = self._sessions.get(session_id)
-        if index is None or index in self._syncing:
+        if index is None or index in self._syncing or index in self._out:
             index = self._least_loaded()
         self._sessions[session_id] = index
         self._sessions.move_to_end(session_id)
@@ -66,19 +76,34 @@ class GeneratorRouter(Configurable):
         return index
 
     def _least_loaded(self) -> int:
-        available = [i for i in range(len(self.generators)) if i not in self._syncing]
-        pool = available or list(range(len(self.generators)))
+        serving = [i for i in range(len(self.generators)) if i not in self._out]
+        available = [i for i in serving if i not in self._syncing]
+        pool = available or serving
         return min(pool, key=lambda i: (self.inflight_requests[i], self.num_routed[i], i))
 
     def set_syncing(self, index: int, syncing: bool) -> None:
         """Mark a generator as pulling weights (sticky sessions move off it meanwhile)."""
         (self._syncing.add if syncing else self._syncing.discard)(index)
 
+    def take_out(self, index: int) -> None:
+        """Route nothing to generator ``index`` until ``put_back``."""
+        self._out.add(index)
+        if len(self._out) == len(self.generators):
+            self._any_in.clear()
+
+    def put_back(self, index: int, generator: GenerateFn) -> None:
+        """Serve with ``generator`` (a replacement) at ``index`` again."""
+        self.generators[index] = generator
+        self._out.discard(index)
+        self._any_in.set()
+
     def forget_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
 
     # ---- the GenerateFn ------------------------------------------------------------------------
     async def __call__(self, request: GenerateRequest) -> Completion | None:
+        while len(self._out) == len(self.generators):  # all lost: wait for a replacement
+            await self._any_in.wait()
         index = self.pick(request.session_id)
         self.inflight_requests[index] += 1
         self.num_routed[index] += 1

@@ -1,9 +1,11 @@
 """Spawning a run's meshes and building every part the loop uses, from the resolved job.
 
     build_parts(plan)
-        generator meshes:  plan.generators[i] -> spawn_generator (TP procs each) -> router
         trainer mesh:      this_host().spawn_procs(num_trainer_ranks) -> PolicyTrainer per proc
                            (or spawn_trainer_ranks(config, model_dir): the torchrun ranks)
+                           -> TrainerClient
+        generator meshes:  GeneratorPool: plan.generators[i] -> spawn_generator (TP procs each),
+                           the router over them, replacement of a lost one
         generate_fn:       BusyGenerateFn(ResumingGenerateFn(router) with partial rollouts)
         task, tokenizer, cursor, rollouter, validator, metrics, recorder
     -> RunParts (controller/parts.py)
@@ -13,12 +15,12 @@ The only module of the controller that touches Monarch's meshes directly.
 
 from __future__ import annotations
 
-import asyncio
 import pathlib
 from collections.abc import Awaitable, Callable
 
 from torchtitan_rl.controller.checkpointer import Checkpointer
 from torchtitan_rl.controller.data_cursor import DataCursor
+from torchtitan_rl.controller.generator_pool import GeneratorPool
 from torchtitan_rl.controller.idle_ratios import BusyGenerateFn
 from torchtitan_rl.controller.parts import RunParts
 from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
@@ -28,7 +30,6 @@ from torchtitan_rl.controller.trainer_client import (
     TrainerClient,
     TrainerRanks,
 )
-from torchtitan_rl.generator import GeneratorHandle, spawn_generator
 from torchtitan_rl.trainer.trainer import PolicyTrainer
 from torchtitan_rl.types import GenerateFn
 
@@ -37,38 +38,40 @@ SpawnTrainerRanks = Callable[[PolicyTrainer.Config, pathlib.Path], Awaitable[Tra
 
 
 async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
-                      resume_step: int | None = None,
+                      on_fatal: Callable[[str], None], resume_step: int | None = None,
                       spawn_trainer_ranks: SpawnTrainerRanks | None = None) -> RunParts:
-    """Spawn and build every part; ``checkpointer`` has prepared the run folder already, and
-    ``resume_step`` is the step a resumed run continues from."""
+    """Spawn and build every part; ``checkpointer`` has prepared the run folder already,
+    ``resume_step`` is the step a resumed run continues from (the weights the generators will be
+    pushed), ``on_fatal`` fails the run (a generator that cannot be replaced)."""
     from monarch.actor import this_host
     from transformers import AutoTokenizer
 
     run_dir = pathlib.Path(plan.run_dir)
     model_dir = pathlib.Path(plan.model_dir)
-    generators: list[GeneratorHandle] = []
+    partial_rollouts = plan.loop.partial_rollout == "abort"
     ranks: TrainerRanks | None = None
     trainer_procs = None
+    pool: GeneratorPool | None = None
     try:
-        for index, generator_config in enumerate(plan.generators):
-            generators.append(await spawn_generator(generator_config, name=f"generator_{index}"))
-        router = plan.router.build(generators=generators)
         if spawn_trainer_ranks is not None:
             ranks = await spawn_trainer_ranks(plan.trainer, model_dir)
         else:
             trainer_procs = this_host().spawn_procs(per_host={"procs": plan.num_trainer_ranks})
             ranks = await MonarchTrainerRanks.spawn(trainer_procs, plan.trainer,
                                                     model_dir=model_dir)
+        trainer = TrainerClient(ranks, batcher=plan.batcher, verify_push=plan.verify_weight_push)
+        pool = GeneratorPool(plan.generators, plan.router, trainer=trainer,
+                             abort_on_pull=partial_rollouts, policy_version=resume_step or 0,
+                             on_fatal=on_fatal)
+        router = await pool.spawn()
     except BaseException:
-        await asyncio.gather(*(g.close() for g in generators), return_exceptions=True)
+        if pool is not None:
+            await pool.close()
         if ranks is not None:
             await ranks.close()
         elif trainer_procs is not None:
             await trainer_procs.stop()
         raise
-    partial_rollouts = plan.loop.partial_rollout == "abort"
-    trainer = TrainerClient(ranks, batcher=plan.batcher, generators=generators, router=router,
-                            abort_on_pull=partial_rollouts, verify_push=plan.verify_weight_push)
     inner: GenerateFn = ResumingGenerateFn(router) if partial_rollouts else router
     task = plan.task.build()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -81,8 +84,7 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
         group_size=plan.rollouter.group_size,
         sampling=plan.sampling,
         generate_fn=BusyGenerateFn(inner),
-        router=router,
-        generators=generators,
+        generators=pool,
         trainer=trainer,
         validator=plan.validation.build(rollouter=rollouter, dataset=task.dataset("validation")),
         checkpointer=checkpointer,

@@ -1,15 +1,19 @@
-"""A dead actor proc fails the run with one clear error, instead of Monarch's process exit.
+"""Actor procs that die: a lost generator is replaced, anything else fails the run with one line.
 
-    runner: with MeshFailureWatch() as watch: await watch.run_until_failure(drive the run)
-        a proc dies -> Monarch calls unhandled_fault_hook(failure) (on its own thread)
-        -> watch records it, wakes the controller's event loop -> the run is cancelled
-        -> RunFailedError(watch.summary()) -> the runner closes the meshes that are left
+    job: with MeshFailureWatch() as watch: build_parts(on_fatal=watch.fail) -> watch.attach(pool)
+         -> await watch.run_until_failure(the run)
+    a proc dies -> Monarch calls unhandled_fault_hook(failure) (on its own thread)
+        -> the controller's event loop: _dispatch(mesh name, report)
+           a generator's mesh            -> pool.lost(i): replaced, the run goes on
+           a replaced generator's mesh   -> ignored (late events of a mesh already gone)
+           a proc's internal logger mesh -> ignored (it dies with every proc; the actor mesh on
+                                            that proc reports the same death)
+           anything else (the trainer)   -> the run is cancelled -> RunFailedError(summary)
 
 Monarch's default hook exits the controller with a KeyboardInterrupt (no summary, no cleanup of
-the other meshes). Waiting for the dead actor's calls to fail is not enough either: measured on
-torchmonarch 0.6, a generate() in flight on a SIGKILLed generator proc fails with SupervisionError
-in a plain client, but in the async loop (dozens of calls in flight) some never resolved, and the
-run waited forever. So the watch cancels the run itself.
+the other meshes). Waiting for the dead actor's calls to fail is not enough either: in the loop
+(dozens of calls in flight) some calls to a SIGKILLed proc never resolved (monarch#3435), so the
+watch acts on the hook itself.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -29,11 +33,21 @@ class RunFailedError(RuntimeError):
     """The run cannot go on (an actor proc died, a rollout group failed)."""
 
 
+class ReplacesGenerators(Protocol):
+    """What the watch needs of the generator pool (controller/generator_pool.py)."""
+
+    def index_of_mesh(self, mesh_name: str) -> int | None: ...
+    def is_retired(self, mesh_name: str) -> bool: ...
+    def lost(self, index: int, reason: str) -> None: ...
+
+
 class MeshFailureWatch:
-    """Records actor mesh failures while active (a context manager; the hook is process-wide)."""
+    """Handles actor mesh failures while active (a context manager; the hook is process-wide)."""
 
     def __init__(self, *, cancel_grace_s: float = 30.0) -> None:
         self.failures: list[str] = []
+        """Fatal failures, first first."""
+        self.generators: ReplacesGenerators | None = None
         self.cancel_grace_s = cancel_grace_s
         """How long a cancelled run may take to unwind before RunFailedError is raised anyway."""
         self._previous_hook: Any = None
@@ -53,12 +67,32 @@ class MeshFailureWatch:
 
         monarch.actor.unhandled_fault_hook = self._previous_hook
 
+    def attach(self, generators: ReplacesGenerators) -> None:
+        """From now on a generator's failure replaces it instead of failing the run."""
+        self.generators = generators
+
+    def fail(self, message: str) -> None:
+        """Fail the run (from the event loop's thread), e.g. a generator past max_restarts."""
+        logger.error("actor mesh failure: %s", message)
+        self.failures.append(message)
+        self._failed.set()
+
     def _on_failure(self, failure: Any) -> None:
         report = re.sub(r"\s+", " ", str(failure.report())).strip()
-        self.failures.append(report)
-        logger.error("actor mesh failure: %s", report)
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._failed.set)
+            self._loop.call_soon_threadsafe(self._dispatch, str(failure.mesh_name), report)
+
+    def _dispatch(self, mesh_name: str, report: str) -> None:
+        pool = self.generators
+        if mesh_name.startswith("logger-") or (pool is not None and pool.is_retired(mesh_name)):
+            logger.info("actor mesh failure (no action): %s", report)
+            return
+        index = pool.index_of_mesh(mesh_name) if pool is not None else None
+        if index is not None:
+            assert pool is not None
+            pool.lost(index, report)
+            return
+        self.fail(report)
 
     async def run_until_failure(self, work: Awaitable[T]) -> T:
         """Await ``work``; if an actor proc dies first, cancel it and raise RunFailedError."""
@@ -76,7 +110,5 @@ class MeshFailureWatch:
         raise RunFailedError(self.summary())
 
     def summary(self) -> str:
-        """One line naming the failed actor and why (the proc-level logger actors that die with
-        every proc are only named when nothing else failed)."""
-        named = [f for f in self.failures if "logger-" not in f.split(" and all")[0]]
-        return f"actor mesh failure: {(named or self.failures)[0]}"
+        """One line naming the first fatal failure."""
+        return f"actor mesh failure: {self.failures[0] if self.failures else 'unknown'}"

@@ -2,9 +2,8 @@
 
     loop -train_step(samples, step)-> TrainerClient: batcher.pack(samples)
         -> ranks.call("forward_backward", batch) -> ranks.call("optim_step")      [every rank]
-    loop -push_weights(version)-> TrainerClient, per generator: router marks it syncing
+    generator pool -push_to(generator, version)-> TrainerClient
         -> ranks.push_weights(generator, version, verify)     [every rank gathers; rank 0 pushes]
-        -> with partial rollouts: generator.abort(all running) (resumed by ResumingGenerateFn)
     checkpointer / job -save_checkpoint / load_checkpoint / export_hf-> ranks.call(...)
 
 `TrainerRanks` is how calls reach every rank: `MonarchTrainerRanks` (a PolicyTrainer actor mesh,
@@ -19,7 +18,6 @@ import logging
 import pathlib
 from typing import Any, Protocol
 
-from torchtitan_rl.controller.router import GeneratorRouter
 from torchtitan_rl.generator import GeneratorHandle
 from torchtitan_rl.trainer.batcher import Batcher
 from torchtitan_rl.types import TrainingSample
@@ -74,13 +72,9 @@ class MonarchTrainerRanks:
 
 class TrainerClient:
     def __init__(self, ranks: TrainerRanks, *, batcher: Batcher.Config,
-                 generators: list[GeneratorHandle], router: GeneratorRouter,
-                 abort_on_pull: bool, verify_push: bool) -> None:
+                 verify_push: bool) -> None:
         self.ranks = ranks
         self.batcher = batcher.build(dp_size=ranks.dp_size)
-        self.generators = generators
-        self.router = router
-        self.abort_on_pull = abort_on_pull
         self.verify_push = verify_push
 
     async def train_step(self, samples: list[TrainingSample], step: int) -> dict[str, float]:
@@ -96,23 +90,10 @@ class TrainerClient:
         metrics.update({k: float(v) for k, v in batch.metrics.items()})
         return metrics
 
-    async def push_weights(self, version: int) -> dict[str, float]:
-        """Push the weights as policy ``version`` to every generator, one at a time (the router
-        keeps new sessions off the one that is pulling)."""
-        metrics: dict[str, float] = {}
-        for index, generator in enumerate(self.generators):
-            self.router.set_syncing(index, True)
-            try:
-                metrics = await self.ranks.push_weights(generator, version,
-                                                        verify=self.verify_push)
-            finally:
-                self.router.set_syncing(index, False)
-            if self.abort_on_pull:
-                # Partial rollouts: running requests return their tokens so far and are resumed
-                # (prompt + partial) entirely on the new weights by ResumingGenerateFn.
-                num = await generator.abort(None)
-                metrics["generator/num_aborted_at_pull"] = float(num)
-        return metrics
+    async def push_to(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
+        """The trainer's weights into ``generator``'s every rank, as policy ``version`` (read back
+        and compared bit for bit when ``verify_push``)."""
+        return await self.ranks.push_weights(generator, version, verify=self.verify_push)
 
     async def save_checkpoint(self, directory: pathlib.Path) -> None:
         await self.ranks.call("save_checkpoint", str(directory), None)

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import statistics
 from collections.abc import Sequence
 from typing import Any
 
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.generator import GeneratorLostError
 from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.rollout.types import RolloutGroup
 from torchtitan_rl.types import GenerateFn, Sampling
+
+logger = logging.getLogger(__name__)
 
 VALIDATION_GROUP_OFFSET = 1 << 40
 
@@ -68,13 +72,18 @@ class Validator(Configurable):
         cfg = self.config
         num = min(cfg.num_prompts, len(self.dataset))
         sampling = dataclasses.replace(sampling, temperature=cfg.temperature)
-        groups: list[RolloutGroup] = await asyncio.gather(*(
-            self.rollouter.run_group_rollouts(
-                generate_fn, self.dataset[i], VALIDATION_GROUP_OFFSET + i,
-                cfg.samples_per_prompt, sampling,
-            )
-            for i in range(num)
-        ))
+
+        async def run_group(i: int) -> RolloutGroup:
+            while True:
+                try:
+                    return await self.rollouter.run_group_rollouts(
+                        generate_fn, self.dataset[i], VALIDATION_GROUP_OFFSET + i,
+                        cfg.samples_per_prompt, sampling,
+                    )
+                except GeneratorLostError as e:  # restarted whole, as training groups are
+                    logger.warning("validation group %d restarts: %s", i, e)
+
+        groups: list[RolloutGroup] = await asyncio.gather(*(run_group(i) for i in range(num)))
         rewards = [r for g in groups for r in g.rewards]
         mean = statistics.fmean(rewards) if rewards else float("nan")
         stderr = statistics.stdev(rewards) / math.sqrt(len(rewards)) if len(rewards) > 1 else 0.0

@@ -2,7 +2,8 @@
 
 Public API:
     Generator (actor, Generator.Config), WeightSyncPolicy
-    spawn_generator(config, *, name="generator", host=None) -> GeneratorHandle   (Monarch)
+    spawn_generator(config, *, name="generator", host=None, on_lost=None) -> GeneratorHandle
+    GeneratorLostError: a request whose generator died (restart its group)
     start_engine_loop(config, *, on_step=None, wrap_engine=None) -> EngineLoop   (in-process)
     EngineLoop, StepStats, LoopInbox, LoopAction, LoopDecision
 
@@ -13,13 +14,14 @@ weight_sync ``PullTarget``. How pulled weights reach vLLM: torchtitan_rl/weight_
 from torchtitan_rl.generator.config import WeightSyncPolicy
 from torchtitan_rl.generator.engine_loop import EngineLoop, StepStats
 from torchtitan_rl.generator.generator import Generator, start_engine_loop
-from torchtitan_rl.generator.launch import GeneratorHandle, spawn_generator
+from torchtitan_rl.generator.launch import GeneratorHandle, GeneratorLostError, spawn_generator
 from torchtitan_rl.generator.loop_decision import LoopAction, LoopDecision, LoopInbox
 
 __all__ = [
     "EngineLoop",
     "Generator",
     "GeneratorHandle",
+    "GeneratorLostError",
     "LoopAction",
     "LoopDecision",
     "LoopInbox",

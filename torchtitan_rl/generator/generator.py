@@ -73,6 +73,10 @@ class Generator(Actor, Configurable):
         """Engine seed (requests without Sampling.seed draw from it)."""
         initial_policy_version: int = 0
         """Policy version of the weights in model_dir."""
+        max_restarts: int = 3
+        """In a job: how often this generator may be replaced after its process died (each
+        replacement is a new mesh on the same host with the current weights); once more fails
+        the run. 0: a lost generator fails the run."""
         torch_num_threads: int | None = None
         """torch threads per rank, set before the engine is built (vLLM's CPU worker forbids
         changing it afterwards). None: torch's default with one rank, 1 per rank when
@@ -87,6 +91,8 @@ class Generator(Actor, Configurable):
                          "max_engine_steps_between_decisions"):
                 if getattr(self, name) < 1:
                     raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            if self.max_restarts < 0:
+                raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
             if self.torch_num_threads is not None and self.torch_num_threads < 1:
                 raise ValueError(
                     f"torch_num_threads must be >= 1 or None, got {self.torch_num_threads}"
@@ -118,11 +124,11 @@ class Generator(Actor, Configurable):
     @concurrent_endpoint
     async def start(self) -> int:
         """Every rank: build the engine and start the loop (the torch elastic env must be set when
-        tensor_parallel_degree > 1). Returns this rank's number."""
+        tensor_parallel_degree > 1). Returns this rank's process id (for logs and fault tests)."""
         if self.loop is not None:
             raise RuntimeError("generator already started")
         self.loop = await start_engine_loop(self.config)
-        return self.rank
+        return os.getpid()
 
     @concurrent_endpoint
     async def generate(self, request: GenerateRequest) -> Completion | None:

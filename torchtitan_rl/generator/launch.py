@@ -9,16 +9,22 @@ controller and the tests share.
 
 `GeneratorHandle` is a `GenerateFn` (rollout code and the router call it directly) and a
 weight_sync `PullTarget` (``pull_model_state_dict`` and ``read_hf_weights`` on every rank). Its
-methods send their message when called and return an awaitable (an asyncio Task for generate), so
-calls made one after the other reach rank 0 in that order (a generate() then an abort() always
+methods send their message when called and return an awaitable (an asyncio Future for generate),
+so calls made one after the other reach rank 0 in that order (a generate() then an abort() always
 finds it). ``close()`` lets every outstanding generate() receive its "closed" error before the
 procs stop.
+
+A lost generator (a proc died): ``mark_lost`` fails every outstanding generate() with
+`GeneratorLostError` at once, without waiting for replies from the dead actor (Monarch 0.6 can
+leave such a call pending forever, monarch#3435); a call that fails with Monarch's supervision
+error marks the handle lost too and reports it through ``on_lost``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,22 +36,73 @@ from torchtitan_rl.types import Completion, GenerateRequest
 logger = logging.getLogger(__name__)
 
 
+class GeneratorLostError(RuntimeError):
+    """The generator serving a request died; the request never finished (restart its group)."""
+
+
+_SUPERVISION_ERRORS = ("SupervisionError", "failure on mesh", "has already been stopped")
+
+
+def _is_supervision_error(error: BaseException) -> bool:
+    text = f"{type(error).__name__}: {error}"
+    return any(marker in text for marker in _SUPERVISION_ERRORS)
+
+
 class GeneratorHandle:
     """A started generator mesh: ``tensor_parallel_degree`` procs, one `Generator` actor each."""
 
-    def __init__(self, *, procs: ProcMesh, actors: Any, config: Generator.Config) -> None:
+    def __init__(self, *, procs: ProcMesh, actors: Any, config: Generator.Config,
+                 name: str = "generator", pids: list[int] | None = None,
+                 on_lost: Callable[[GeneratorHandle, str], None] | None = None) -> None:
         self.procs = procs
         self.actors = actors
         self.rank0 = actors.slice(procs=0)
         self.config = config
-        self._outstanding: set[asyncio.Task[Completion | None]] = set()
+        self.name = name
+        """The actor mesh's spawn name (Monarch's failure reports name it ``<name>-<suffix>``)."""
+        self.pids = pids or []
+        self.on_lost = on_lost
+        self.lost: str | None = None
+        """Why the generator was lost (None while it serves)."""
+        self._outstanding: set[asyncio.Future[Completion | None]] = set()
 
-    def generate(self, request: GenerateRequest) -> asyncio.Task[Completion | None]:
-        """Rank 0 generates one completion (the message is sent now; await the task)."""
-        task = asyncio.ensure_future(self.rank0.generate.call_one(request))
-        self._outstanding.add(task)
-        task.add_done_callback(self._outstanding.discard)
-        return task
+    def generate(self, request: GenerateRequest) -> asyncio.Future[Completion | None]:
+        """Rank 0 generates one completion (the message is sent now; await the future)."""
+        result: asyncio.Future[Completion | None] = asyncio.get_running_loop().create_future()
+        if self.lost is not None:
+            result.set_exception(GeneratorLostError(f"{self.name} was lost: {self.lost}"))
+            return result
+        call = asyncio.ensure_future(self.rank0.generate.call_one(request))
+        self._outstanding.add(result)
+        result.add_done_callback(self._outstanding.discard)
+
+        def settle(done: asyncio.Future[Completion | None]) -> None:
+            error = None if done.cancelled() else done.exception()
+            if result.done():  # already failed by mark_lost
+                return
+            if done.cancelled():
+                result.cancel()
+            elif error is None:
+                result.set_result(done.result())
+            elif _is_supervision_error(error):
+                self.mark_lost(f"{type(error).__name__}: {error}")
+            else:
+                result.set_exception(error)
+
+        call.add_done_callback(settle)
+        return result
+
+    def mark_lost(self, reason: str) -> None:
+        """Fail every outstanding generate() with GeneratorLostError now; report the loss once."""
+        if self.lost is not None:
+            return
+        self.lost = reason
+        logger.warning("%s lost: %s", self.name, reason)
+        for future in list(self._outstanding):
+            if not future.done():
+                future.set_exception(GeneratorLostError(f"{self.name} was lost: {reason}"))
+        if self.on_lost is not None:
+            self.on_lost(self, reason)
 
     __call__ = generate
 
@@ -78,23 +135,27 @@ class GeneratorHandle:
         values = await self.actors.get_finished_digest.call()
         return sorted(value for _, value in values.items())
 
-    async def close(self, *, stop_procs: bool = True) -> None:
+    async def close(self, *, stop_procs: bool = True, timeout_s: float = 60.0) -> None:
         """Close every rank; outstanding generate() calls fail with "generator closed before the
-        request finished"; then stop the procs."""
+        request finished"; then stop the procs. A lost generator's procs are only stopped. Every
+        wait is bounded by ``timeout_s``."""
         try:
-            await self.actors.close.call()
-            if self._outstanding:
-                await asyncio.wait(set(self._outstanding))
+            if self.lost is None:
+                await asyncio.wait_for(self.actors.close.call(), timeout_s)
+                if self._outstanding:
+                    await asyncio.wait(set(self._outstanding), timeout=timeout_s)
         finally:
             if stop_procs:
-                await self.procs.stop()
+                await asyncio.wait_for(self.procs.stop(), timeout_s)
 
 
 async def spawn_generator(
-    config: Generator.Config, *, name: str = "generator", host: HostMesh | None = None
+    config: Generator.Config, *, name: str = "generator", host: HostMesh | None = None,
+    on_lost: Callable[[GeneratorHandle, str], None] | None = None,
 ) -> GeneratorHandle:
     """Spawn ``config.tensor_parallel_degree`` procs on ``host`` (default: this host), set the
-    torch elastic env when TP > 1, spawn one `Generator` per proc and start every rank."""
+    torch elastic env when TP > 1, spawn one `Generator` per proc and start every rank.
+    ``name`` names the actor mesh; ``on_lost`` hears when the handle finds its generator dead."""
     tp = config.tensor_parallel_degree
     procs = (host or this_host()).spawn_procs(per_host={"procs": tp})
     try:
@@ -103,9 +164,12 @@ async def spawn_generator(
 
             await setup_torch_elastic_env_async(procs)
         actors = procs.spawn(name, Generator, config)
-        await actors.start.call()
+        started = await actors.start.call()
+        pids = [pid for _, pid in sorted(started.items(), key=lambda kv: kv[0].rank)]
     except BaseException:
         await procs.stop()
         raise
-    logger.info("generator %s started (tp=%d, model %s)", name, tp, config.model_dir)
-    return GeneratorHandle(procs=procs, actors=actors, config=config)
+    logger.info("generator %s started (tp=%d, pids %s, model %s)", name, tp,
+                ",".join(map(str, pids)), config.model_dir)
+    return GeneratorHandle(procs=procs, actors=actors, config=config, name=name, pids=pids,
+                           on_lost=on_lost)

@@ -23,6 +23,7 @@ the procs first); drive it with the controller's TrainerClient (controller/train
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -38,6 +39,9 @@ from torchtitan_rl.trainer.core import PolicyTrainerCore
 from torchtitan_rl.weight_sync.push import ActorMeshTarget, WeightPusher, WeightTransport
 
 logger = logging.getLogger(__name__)
+
+PUSH_TIMEOUT_S = 600.0
+"""The most one push may take before the trainer gives up on it (its generator died)."""
 
 
 class PolicyTrainer(Actor, Configurable):
@@ -101,14 +105,22 @@ class PolicyTrainer(Actor, Configurable):
         metrics = {"weight_sync/gather_s": time.perf_counter() - start}
         if self.core.rank != 0:
             return metrics
-        metrics.update(await self.pusher.push(
+        # Bounded: a generator that dies mid-push may never answer (monarch#3435); the
+        # controller replaces it and pushes again.
+        metrics.update(await asyncio.wait_for(self.pusher.push(
             policy_version, state_dict, ActorMeshTarget(generators),
             transport=transport or self.weight_transport, verify=verify,
-        ))
+        ), PUSH_TIMEOUT_S))
         metrics["weight_sync/total_s"] = time.perf_counter() - start
         logger.info("pushed policy version %d in %.3fs", policy_version,
                     metrics["weight_sync/total_s"])
         return metrics
+
+    def _handle_undeliverable_message(self, message: Any) -> bool:
+        # A push to a generator that just died bounces; Monarch's default would fail this actor
+        # (the trainer) for it. The controller replaces the generator instead.
+        logger.warning("undeliverable message (a lost generator?): %s", message.error_msg())
+        return True
 
     @endpoint
     async def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:

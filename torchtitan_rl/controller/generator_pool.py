@@ -1,0 +1,177 @@
+"""The run's generators: spawned, routed, given new weights, and replaced when one is lost.
+
+    spawn:   plan.generators[i] -> spawn_generator(name="generator_i") -> GeneratorHandle; a
+             GeneratorRouter over them is the GenerateFn the rollouts call
+    push_weights(version): one generator at a time (the router keeps new sessions off it):
+             trainer.push_to(generator, version); with partial rollouts, abort its running requests
+    loss:    a handle's call fails with Monarch's supervision error, or Monarch's fault hook names
+             the mesh (supervision.py) -> lost(i):
+               router.take_out(i); the handle fails its outstanding calls with GeneratorLostError
+               (the loop restarts those groups from their prompts); in a task of its own:
+               stop the dead procs (bounded) -> spawn "generator_i_r<n>" on the same host (a new
+               name: late events of the dead mesh cannot match it) -> push the current policy
+               version (verified when verify_weight_push) -> router.put_back(i)
+             past generator.max_restarts, or when the replacement fails: the run fails, one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from torchtitan_rl.controller.router import GeneratorRouter
+from torchtitan_rl.controller.trainer_client import TrainerClient
+from torchtitan_rl.generator import Generator, GeneratorHandle, spawn_generator
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 60.0
+SPAWN_TIMEOUT_S = 600.0
+
+
+class GeneratorPool:
+    def __init__(self, configs: list[Generator.Config], router_config: GeneratorRouter.Config, *,
+                 trainer: TrainerClient, abort_on_pull: bool, policy_version: int,
+                 on_fatal: Callable[[str], None]) -> None:
+        """``policy_version``: the version the generators start with (the trainer's weights);
+        ``on_fatal``: how a failed replacement fails the run (supervision.MeshFailureWatch)."""
+        self.configs = configs
+        self.router_config = router_config
+        self.trainer = trainer
+        self.abort_on_pull = abort_on_pull
+        self.policy_version = policy_version
+        self.on_fatal = on_fatal
+        self.handles: list[GeneratorHandle] = []
+        self.router: GeneratorRouter | None = None
+        self.num_restarts = [0] * len(configs)
+        self.retired_names: set[str] = set()
+        self.last_recovery_s = 0.0
+        self.served_by_others_during_recovery = 0
+        self._push_lock = asyncio.Lock()
+        self._replacing: dict[int, asyncio.Task[None]] = {}
+
+    async def spawn(self) -> GeneratorRouter:
+        """Spawn every generator; returns the router over them."""
+        try:
+            for index, config in enumerate(self.configs):
+                self.handles.append(await spawn_generator(
+                    config, name=f"generator_{index}", on_lost=self._on_handle_lost))
+        except BaseException:
+            await self.close()
+            raise
+        self.router = self.router_config.build(generators=list(self.handles))
+        return self.router
+
+    # ---- weights --------------------------------------------------------------------------------
+    async def push_weights(self, version: int) -> dict[str, float]:
+        """The trainer's weights to every serving generator, as policy ``version``."""
+        assert self.router is not None
+        metrics: dict[str, float] = {}
+        async with self._push_lock:
+            self.policy_version = version
+            for index, generator in enumerate(self.handles):
+                if generator.lost is not None:
+                    continue  # its replacement gets this version when it comes up
+                self.router.set_syncing(index, True)
+                try:
+                    metrics = await self.trainer.push_to(generator, version)
+                except Exception:
+                    if generator.lost is None:
+                        raise
+                    logger.warning("push v%d to %s failed: it was lost", version, generator.name)
+                    continue
+                finally:
+                    self.router.set_syncing(index, False)
+                if self.abort_on_pull:
+                    # Partial rollouts: running requests return their tokens so far and are
+                    # resumed (prompt + partial) entirely on the new weights (partial_rollout.py).
+                    metrics["generator/num_aborted_at_pull"] = float(await generator.abort(None))
+        return metrics
+
+    # ---- loss and replacement -------------------------------------------------------------------
+    def index_of_mesh(self, mesh_name: str) -> int | None:
+        """The generator whose actor mesh Monarch names ``mesh_name`` (``<spawn name>-<id>``)."""
+        spawn_name = mesh_name.rsplit("-", 1)[0]
+        for index, handle in enumerate(self.handles):
+            if handle.name == spawn_name:
+                return index
+        return None
+
+    def is_retired(self, mesh_name: str) -> bool:
+        """A mesh that was already replaced: its late events change nothing."""
+        return mesh_name.rsplit("-", 1)[0] in self.retired_names
+
+    def lost(self, index: int, reason: str) -> None:
+        """Generator ``index`` died: take it out, fail its calls, replace it (once)."""
+        handle = self.handles[index]
+        handle.mark_lost(reason)  # reports back through _on_handle_lost
+
+    def _on_handle_lost(self, handle: GeneratorHandle, reason: str) -> None:
+        if handle not in self.handles:
+            return  # a handle replaced already
+        index = self.handles.index(handle)
+        if index in self._replacing:
+            return
+        assert self.router is not None
+        self.router.take_out(index)
+        self.num_restarts[index] += 1
+        limit = self.configs[index].max_restarts
+        if self.num_restarts[index] > limit:
+            self.on_fatal(f"{handle.name} was lost {self.num_restarts[index]} times "
+                          f"(generator.max_restarts={limit}): {reason}")
+            return
+        self._replacing[index] = asyncio.create_task(self._replace(index, reason),
+                                                     name=f"replace-generator-{index}")
+
+    async def _replace(self, index: int, reason: str) -> None:
+        assert self.router is not None
+        start = time.perf_counter()
+        old = self.handles[index]
+        routed_before = sum(n for i, n in enumerate(self.router.num_routed) if i != index)
+        name = f"generator_{index}_r{self.num_restarts[index]}"
+        try:
+            self.retired_names.add(old.name)
+            try:
+                await old.close(timeout_s=STOP_TIMEOUT_S)
+            except Exception as e:  # a dead mesh may not stop cleanly: it is gone either way
+                logger.warning("stopping lost %s: %r", old.name, e)
+            new = await asyncio.wait_for(spawn_generator(
+                self.configs[index], name=name, on_lost=self._on_handle_lost), SPAWN_TIMEOUT_S)
+            self.handles[index] = new
+            async with self._push_lock:
+                await self.trainer.push_to(new, self.policy_version)
+            self.router.put_back(index, new)
+        except Exception as e:
+            self.on_fatal(f"replacing {old.name} (lost: {reason}) failed: {e!r}")
+            return
+        finally:
+            self._replacing.pop(index, None)
+        self.last_recovery_s = time.perf_counter() - start
+        self.served_by_others_during_recovery += sum(
+            n for i, n in enumerate(self.router.num_routed) if i != index) - routed_before
+        logger.warning("%s replaced by %s (policy v%d) in %.1f s", old.name, name,
+                       self.policy_version, self.last_recovery_s)
+
+    def metrics(self) -> dict[str, float]:
+        assert self.router is not None
+        return {
+            **self.router.metrics(),
+            "generator/restarts": float(sum(self.num_restarts)),
+            "generator/recovery_s": self.last_recovery_s,
+            "generator/requests_served_by_others_during_recovery":
+                float(self.served_by_others_during_recovery),
+        }
+
+    async def close(self) -> None:
+        for task in self._replacing.values():
+            task.cancel()
+        results = await asyncio.gather(*self._replacing.values(),
+                                       *(h.close(timeout_s=STOP_TIMEOUT_S) for h in self.handles),
+                                       return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result,
+                                                                    asyncio.CancelledError):
+                logger.warning("shutdown: %r", result)
+
