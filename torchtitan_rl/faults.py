@@ -8,6 +8,9 @@ time: no cleanup, no checkpoint, the same as a node dying. Points:
   written (so a resume from step N is certain).
 - ``kill_generator_after_requests``: a generator proc, when its N-th generate request arrives.
 
+``TORCHTITAN_RL_FAULT=nan_loss_at_steps:1,3`` makes the trainer's loss NaN at those steps (policy
+versions before the step), as a numerically broken batch would.
+
 Unset in normal runs; reading one environment variable per event is the whole cost. Monarch procs
 inherit the controller's environment, so one variable reaches every actor.
 """
@@ -38,3 +41,16 @@ def maybe_kill(point: FaultPoint, count: int) -> None:
     if count == target:
         logger.warning("fault injection: SIGKILL at %s=%d (pid %d)", point, count, os.getpid())
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def nan_loss_due(step: int) -> bool:
+    """Whether ``TORCHTITAN_RL_FAULT=nan_loss_at_steps:a,b,...`` names ``step``."""
+    spec = os.environ.get(ENV_VAR, "")
+    point = "nan_loss_at_steps:"
+    if not spec.startswith(point):
+        return False
+    try:
+        steps = {int(x) for x in spec[len(point):].split(",") if x}
+    except ValueError:
+        raise ValueError(f"{ENV_VAR}={spec!r}: expected {point}<int>,<int>,...") from None
+    return step in steps

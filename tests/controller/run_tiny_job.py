@@ -1,6 +1,6 @@
 """Run a tiny job in its own process (for tests that kill it): python -m tests.controller.run_tiny_job
 OUTPUT_DIR NAME NUM_STEPS [--resume] [--num-prompts N] [--staleness S] [--partial-rollout abort]
-[--num-generators N] [--max-restarts N]. Staleness 0 (the default) is synchronous training."""
+[--num-generators N] [--max-restarts N] [--max-skipped-in-row N]. Staleness 0 (the default) is synchronous training."""
 
 from __future__ import annotations
 
@@ -27,10 +27,12 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument("--partial-rollout", choices=["none", "abort"], default="none")
     parser.add_argument("--num-generators", type=int, default=1)
     parser.add_argument("--max-restarts", type=int, default=3)
+    parser.add_argument("--max-skipped-in-row", type=int, default=3)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = tiny_job(args.output_dir, args.name, num_steps=args.num_steps,
-                      max_staleness=args.staleness, partial_rollout=args.partial_rollout)
+                      max_staleness=args.staleness, partial_rollout=args.partial_rollout,
+                      max_skipped_steps_in_row=args.max_skipped_in_row)
     config = dataclasses.replace(
         config,
         task=LetterTask.Config(num_prompts=args.num_prompts),

@@ -273,3 +273,38 @@ class _LogWatch:
     def text(self) -> str:
         with self._changed:
             return "".join(self._lines)
+
+
+
+def _checkpoint_model(run_dir: pathlib.Path, step: int) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = run_dir / f"model-{step}.pt"
+    dcp_to_torch_save(run_dir / "checkpoints" / f"step-{step:06d}" / "trainer", path)
+    return torch.load(path, weights_only=False)["model"]
+
+
+def test_non_finite_steps_never_reach_the_weights_and_too_many_in_a_row_fail_the_run(tmp_path):
+    proc = _run_tiny_job(str(tmp_path), "nan", "6", "--max-skipped-in-row", "2",
+                         fault="nan_loss_at_steps:1,3,4")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith("error: step 4: 2 steps in a row had a non-finite loss"), errors
+
+    run_dir = tmp_path / "nan"
+    metrics = read_metrics(run_dir)
+    skipped = metrics[1]
+    assert skipped["trainer/skipped_step"] == 1 and skipped["trainer/num_skipped_steps"] == 1
+    assert not any(key.startswith("weight_sync/") for key in skipped), "a skipped step pushed"
+    assert metrics[2]["trainer/skipped_step"] == 0 and metrics[2]["weight_sync/bytes"] > 0
+    assert metrics[3]["trainer/num_skipped_steps"] == 2
+    # the weights after a skipped step are the weights before it, bit for bit
+    before, after = _checkpoint_model(run_dir, 3), _checkpoint_model(run_dir, 4)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    trained = _checkpoint_model(run_dir, 2)
+    assert any(not torch.equal(trained[k], before[k]) for k in before)  # step 2 did train
+    # checkpoint.keep_last (3): the oldest went
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "step-000002", "step-000003", "step-000004"]

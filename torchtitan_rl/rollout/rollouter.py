@@ -123,9 +123,11 @@ class Rollouter(Configurable):
                     for i in range(size)
                 ]
         except ExceptionGroup as group_error:
-            # The siblings were cancelled; the caller sees the generator's own error, not a wrapper.
-            if len(group_error.exceptions) == 1:
-                raise group_error.exceptions[0] from None
+            # The siblings were cancelled; the caller sees the generator's own error, not a
+            # wrapper (several siblings failing alike, e.g. their generator died, are one error).
+            errors = group_error.exceptions
+            if len({type(e) for e in errors}) == 1:
+                raise errors[0] from None
             raise
         group = RolloutGroup(group_id=group_id, episode=episode,
                              rollouts=[f.result() for f in futures])

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.distributed import utils as dist_utils
 
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.faults import nan_loss_due
 from torchtitan_rl.models.qwen3 import (
     AttnBackend,
     build_qwen3_from_hf,
@@ -198,6 +199,8 @@ class PolicyTrainerCore(Configurable):
                 num_global_valid_tokens=batch.num_valid_tokens,
                 entropy=entropy,
             )
+            if nan_loss_due(self.policy_version):  # fault injection (tests)
+                loss = loss * float("nan")
             loss.backward()
             sums += torch.stack([mb_sums[k].double().cpu() for k in SUM_KEYS])
             maxima = torch.maximum(maxima, torch.stack([mb_max[k].double().cpu() for k in MAX_KEYS]))
