@@ -153,6 +153,7 @@ def test_async_partial_rollouts_over_two_generators_stay_within_staleness(tmp_pa
         m = metrics[step]
         assert 0 <= m["async/policy_age_min"] <= m["async/policy_age_max"] <= 1, (step, m)
         assert "generator/num_aborted_at_pull" in m
+        assert m["generator/num_resumed_requests"] >= 0
         assert 0.0 <= m["time/generator_idle_ratio"] <= 1.0
         assert 0.0 <= m["time/trainer_idle_ratio"] <= 1.0
     # Truncated importance sampling is on by default off-policy: weights are pi/pi_gen, not 1.
@@ -230,9 +231,11 @@ def test_generator_killed_mid_step_is_replaced_and_nothing_is_lost(tmp_path, sta
     assert len(sample_ids) == len(set(sample_ids))
     last = read_metrics(run_dir)[num_steps - 1]
     assert last["generator/restarts"] == 1
-    assert last["generator/recovery_s"] > 0
-    assert "generator_0 replaced by generator_0_r1" in log.text()
-    if num_generators == 2:  # the other generator served while the first was replaced
+    assert last["generator/groups_restarted_after_loss"] >= 1
+    if num_generators == 1:  # the run could only go on once the replacement served
+        assert last["generator/recovery_s"] > 0
+        assert "generator_0 replaced by generator_0_r1" in log.text()
+    else:  # the other generator served while the first was replaced
         assert last["generator/requests_served_by_others_during_recovery"] > 0
 
 

@@ -48,9 +48,12 @@ class GeneratorPool:
         self.num_restarts = [0] * len(configs)
         self.retired_names: set[str] = set()
         self.last_recovery_s = 0.0
-        self.served_by_others_during_recovery = 0
+        self._served_by_others = 0
+        """Requests the other generators took while one was being replaced (finished windows)."""
+        self._others_routed_at_loss: dict[int, int] = {}
         self._push_lock = asyncio.Lock()
         self._replacing: dict[int, asyncio.Task[None]] = {}
+        self._closing = False
 
     async def spawn(self) -> GeneratorRouter:
         """Spawn every generator; returns the router over them."""
@@ -116,6 +119,7 @@ class GeneratorPool:
             return
         assert self.router is not None
         self.router.take_out(index)
+        self._others_routed_at_loss[index] = self._others_routed(index)
         self.num_restarts[index] += 1
         limit = self.configs[index].max_restarts
         if self.num_restarts[index] > limit:
@@ -129,7 +133,6 @@ class GeneratorPool:
         assert self.router is not None
         start = time.perf_counter()
         old = self.handles[index]
-        routed_before = sum(n for i, n in enumerate(self.router.num_routed) if i != index)
         name = f"generator_{index}_r{self.num_restarts[index]}"
         try:
             self.retired_names.add(old.name)
@@ -144,27 +147,34 @@ class GeneratorPool:
                 await self.trainer.push_to(new, self.policy_version)
             self.router.put_back(index, new)
         except Exception as e:
-            self.on_fatal(f"replacing {old.name} (lost: {reason}) failed: {e!r}")
+            if not self._closing:  # else the run is over and closed the trainer under it
+                self.on_fatal(f"replacing {old.name} (lost: {reason}) failed: {e!r}")
             return
         finally:
             self._replacing.pop(index, None)
         self.last_recovery_s = time.perf_counter() - start
-        self.served_by_others_during_recovery += sum(
-            n for i, n in enumerate(self.router.num_routed) if i != index) - routed_before
+        self._served_by_others += (self._others_routed(index)
+                                   - self._others_routed_at_loss.pop(index))
         logger.warning("%s replaced by %s (policy v%d) in %.1f s", old.name, name,
                        self.policy_version, self.last_recovery_s)
 
+    def _others_routed(self, index: int) -> int:
+        assert self.router is not None
+        return sum(n for i, n in enumerate(self.router.num_routed) if i != index)
+
     def metrics(self) -> dict[str, float]:
         assert self.router is not None
+        served = self._served_by_others + sum(
+            self._others_routed(i) - at_loss for i, at_loss in self._others_routed_at_loss.items())
         return {
             **self.router.metrics(),
             "generator/restarts": float(sum(self.num_restarts)),
             "generator/recovery_s": self.last_recovery_s,
-            "generator/requests_served_by_others_during_recovery":
-                float(self.served_by_others_during_recovery),
+            "generator/requests_served_by_others_during_recovery": float(served),
         }
 
     async def close(self) -> None:
+        self._closing = True
         for task in self._replacing.values():
             task.cancel()
         results = await asyncio.gather(*self._replacing.values(),

@@ -28,6 +28,7 @@ from typing import Any, Literal
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.controller.checkpointer import ControllerState, FinishedGroup
 from torchtitan_rl.controller.idle_ratios import IdleRatios
+from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
 from torchtitan_rl.controller.parts import RunParts
 from torchtitan_rl.controller.staleness import StalenessGate
 from torchtitan_rl.controller.supervision import RunFailedError
@@ -215,6 +216,9 @@ class TrainingLoop(Configurable):
             **parts.generators.metrics(),
             "generator/groups_restarted_after_loss": float(self.num_groups_restarted),
         }
+        resuming = parts.generate_fn.inner
+        if isinstance(resuming, ResumingGenerateFn):  # partial rollouts
+            metrics["generator/num_resumed_requests"] = float(resuming.num_resumed)
         if "rollout_reward/mean" in metrics:
             state.reward_history.append((step, metrics["rollout_reward/mean"]))
         parts.metrics.log(step, metrics)

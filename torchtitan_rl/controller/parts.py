@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from typing import Any
@@ -52,11 +51,12 @@ class RunParts:
     recorder: RolloutRecorder
 
     async def close(self) -> None:
-        """Close the meshes (generators first: their outstanding calls fail, never hang) and the
-        metrics files; a failure to close one is logged, not raised."""
+        """Close the meshes (generators first: their outstanding calls fail, never hang, and a
+        replacement in progress stops before the trainer it pushes from) and the metrics files;
+        a failure to close one is logged, not raised."""
         self.metrics.close()
-        results = await asyncio.gather(self.generators.close(), self.trainer.close(),
-                                       return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                logger.warning("shutdown: %r", result)
+        for part in (self.generators, self.trainer):
+            try:
+                await part.close()
+            except Exception as e:
+                logger.warning("shutdown: %r", e)
