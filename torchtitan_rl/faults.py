@@ -7,6 +7,7 @@ time: no cleanup, no checkpoint, the same as a node dying. Points:
 - ``kill_controller_after_checkpoints``: the controller, right after its N-th checkpoint is
   written (so a resume from step N is certain).
 - ``kill_generator_after_requests``: a generator proc, when its N-th generate request arrives.
+- ``kill_trainer_after_steps``: every trainer proc, when its N-th optimizer step is done.
 
 ``TORCHTITAN_RL_FAULT=nan_loss_at_steps:1,3`` makes the trainer's loss NaN at those steps (policy
 versions before the step), as a numerically broken batch would.
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "TORCHTITAN_RL_FAULT"
 FaultPoint = Literal["kill_controller_after_groups", "kill_controller_after_checkpoints",
-                     "kill_generator_after_requests"]
+                     "kill_generator_after_requests", "kill_trainer_after_steps"]
 
 
 def maybe_kill(point: FaultPoint, count: int) -> None:

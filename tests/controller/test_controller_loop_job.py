@@ -313,3 +313,20 @@ def test_non_finite_steps_never_reach_the_weights_and_too_many_in_a_row_fail_the
     # checkpoint.keep_last (3): the oldest went
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
         "step-000002", "step-000003", "step-000004"]
+
+
+
+def test_a_dead_trainer_fails_the_run_with_one_line_and_the_run_resumes(tmp_path):
+    args = [str(tmp_path), "trainer", "4", "--num-prompts", "8"]
+    dead = _run_tiny_job(*args, fault="kill_trainer_after_steps:3")
+    assert dead.returncode == 1, dead.stderr[-3000:]
+    errors = [line for line in dead.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: actor mesh failure:"), errors
+    assert "policy_trainer" in errors[0] and "Killed(sig=9)" in errors[0]
+    resumed = _run_tiny_job(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((tmp_path / "trainer" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["resumed_from_step"] == 2
+    steps = [json.loads(line)["step"] for line in
+             (tmp_path / "trainer" / "trained_samples.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3]

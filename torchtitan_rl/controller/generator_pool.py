@@ -147,6 +147,7 @@ class GeneratorPool:
                 await self.trainer.push_to(new, self.policy_version)
             self.router.put_back(index, new)
         except Exception as e:
+            logger.warning("replacing %s failed", old.name, exc_info=True)
             if not self._closing:  # else the run is over and closed the trainer under it
                 self.on_fatal(f"replacing {old.name} (lost: {reason}) failed: {e!r}")
             return

@@ -49,6 +49,7 @@ from torchtitan_rl.controller.supervision import MeshFailureWatch, RunFailedErro
 from torchtitan_rl.controller.validation import Validator
 from torchtitan_rl.controller.warm_start import WarmStart
 from torchtitan_rl.generator import Generator
+from torchtitan_rl.generator.launch import is_supervision_error
 from torchtitan_rl.metrics.logger import MetricsLogger
 from torchtitan_rl.rollout.recorder import RolloutRecorder
 from torchtitan_rl.rollout.rollouter import Rollouter
@@ -190,6 +191,9 @@ class RLJob(Configurable):
             except Exception as e:
                 if watch.failures:  # summarised after the close: every failure is reported now
                     raise RunFailedError(watch.summary()) from e
+                if is_supervision_error(e):  # a call saw the death before Monarch's hook did
+                    raise RunFailedError(
+                        "actor mesh failure: " + " ".join(str(e).split())) from e
                 raise
         history = state.validation_history
         summary = {

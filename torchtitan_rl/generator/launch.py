@@ -43,7 +43,8 @@ class GeneratorLostError(RuntimeError):
 _SUPERVISION_ERRORS = ("SupervisionError", "failure on mesh", "has already been stopped")
 
 
-def _is_supervision_error(error: BaseException) -> bool:
+def is_supervision_error(error: BaseException) -> bool:
+    """Whether ``error`` is Monarch's word that the actor it called is dead."""
     text = f"{type(error).__name__}: {error}"
     return any(marker in text for marker in _SUPERVISION_ERRORS)
 
@@ -84,7 +85,7 @@ class GeneratorHandle:
                 result.cancel()
             elif error is None:
                 result.set_result(done.result())
-            elif _is_supervision_error(error):
+            elif is_supervision_error(error):
                 self.mark_lost(f"{type(error).__name__}: {error}")
             else:
                 result.set_exception(error)

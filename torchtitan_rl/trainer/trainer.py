@@ -34,6 +34,7 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.trainer.batcher import TrainingBatch
 from torchtitan_rl.trainer.core import PolicyTrainerCore
 from torchtitan_rl.weight_sync.push import ActorMeshTarget, WeightPusher, WeightTransport
@@ -76,7 +77,9 @@ class PolicyTrainer(Actor, Configurable):
 
     @endpoint
     async def optim_step(self) -> dict[str, float]:
-        return self.core.optim_step()
+        metrics = self.core.optim_step()
+        maybe_kill("kill_trainer_after_steps", self.core.policy_version)
+        return metrics
 
     @endpoint
     async def compute_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
