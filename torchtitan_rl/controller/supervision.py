@@ -19,6 +19,7 @@ watch acts on the hook itself.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import re
 from collections.abc import Awaitable
@@ -52,12 +53,16 @@ class MeshFailureWatch:
         """How long a cancelled run may take to unwind before RunFailedError is raised anyway."""
         self._previous_hook: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._context: contextvars.Context | None = None
         self._failed = asyncio.Event()
 
     def __enter__(self) -> MeshFailureWatch:
         import monarch.actor
 
         self._loop = asyncio.get_running_loop()
+        # Monarch calls the hook on its own thread, in its root client actor's context; what the
+        # hook starts (a replacement's spawn) must run in the controller's, where this_host() is.
+        self._context = contextvars.copy_context()
         self._previous_hook = monarch.actor.unhandled_fault_hook
         monarch.actor.unhandled_fault_hook = self._on_failure
         return self
@@ -80,7 +85,8 @@ class MeshFailureWatch:
     def _on_failure(self, failure: Any) -> None:
         report = re.sub(r"\s+", " ", str(failure.report())).strip()
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._dispatch, str(failure.mesh_name), report)
+            self._loop.call_soon_threadsafe(self._dispatch, str(failure.mesh_name), report,
+                                            context=self._context)
 
     def _dispatch(self, mesh_name: str, report: str) -> None:
         pool = self.generators

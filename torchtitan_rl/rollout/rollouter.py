@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchtitan_rl.config.configurable import Configurable
-from torchtitan_rl.rollout.advantage import group_advantages
+from torchtitan_rl.rollout.advantage import AdvantageStd, group_advantages
 from torchtitan_rl.rollout.message_env import MessageEnv
 from torchtitan_rl.rollout.token_env import TokenEnv
 from torchtitan_rl.rollout.types import (
@@ -55,6 +55,11 @@ class Rollouter(Configurable):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Configurable.Config):
+        moved_keys = {"std_normalize": "renamed rollouter.advantage_std: 'none' is what "
+                                       "std_normalize = false was (mean baseline only), 'sample' "
+                                       "divides by the sample std (Bessel), 'population' by the "
+                                       "std over n (what std_normalize = true was)"}
+
         group_size: int = 8
         """Sibling rollouts per episode (GRPO group), used when run_group_rollouts gets none."""
         max_turns: int = 8
@@ -66,9 +71,11 @@ class Rollouter(Configurable):
         TRUNCATED_LENGTH without a generate call. Keep it <= the generator's max_model_len."""
         step_timeout_s: float | None = 60.0
         """Wall-clock limit for one env call (init, step, close), in seconds; None disables."""
-        std_normalize: bool = False
-        """Divide advantages by the group reward std (+1e-6): standard GRPO. False = mean
-        baseline only (Dr. GRPO)."""
+        advantage_std: AdvantageStd = "sample"
+        """How a group's advantages r_i - mean(r) are scaled. "sample": divided by the group
+        reward std with Bessel's correction (n - 1), + 1e-6: GRPO as verl and TRL compute it.
+        "population": divided by the std over n (this project's GRPO before). "none": not scaled,
+        the mean baseline only (Dr. GRPO; what `std_normalize = false` was)."""
         drop_zero_std_groups: bool = True
         """Drop (and count) groups whose counted rewards are all equal: zero advantage everywhere."""
         error_reward: float | None = None
@@ -226,7 +233,7 @@ class Rollouter(Configurable):
         counted = [not r.status.is_error or self.config.error_reward is not None
                    for r in group.rollouts]
         advantages, no_signal = group_advantages(
-            group.rewards, counted, std_normalize=self.config.std_normalize
+            group.rewards, counted, advantage_std=self.config.advantage_std
         )
         for rollout, advantage in zip(group.rollouts, advantages, strict=True):
             rollout.advantage = advantage
