@@ -53,6 +53,7 @@ class GeneratorPool:
         self._others_routed_at_loss: dict[int, int] = {}
         self._push_lock = asyncio.Lock()
         self._replacing: dict[int, asyncio.Task[None]] = {}
+        self._spawning_names: set[str] = set()
         self._closing = False
 
     async def spawn(self) -> GeneratorRouter:
@@ -102,9 +103,10 @@ class GeneratorPool:
                 return index
         return None
 
-    def is_retired(self, mesh_name: str) -> bool:
-        """A mesh that was already replaced: its late events change nothing."""
-        return mesh_name.rsplit("-", 1)[0] in self.retired_names
+    def ignores(self, mesh_name: str) -> bool:
+        """A mesh that was replaced already (its late events change nothing), or a replacement
+        still being spawned (its failure fails the spawn, which ``_replace`` handles)."""
+        return mesh_name.rsplit("-", 1)[0] in self.retired_names | self._spawning_names
 
     def lost(self, index: int, reason: str) -> None:
         """Generator ``index`` died: take it out, fail its calls, replace it (once)."""
@@ -140,8 +142,13 @@ class GeneratorPool:
                 await old.close(timeout_s=STOP_TIMEOUT_S)
             except Exception as e:  # a dead mesh may not stop cleanly: it is gone either way
                 logger.warning("stopping lost %s: %r", old.name, e)
-            new = await asyncio.wait_for(spawn_generator(
-                self.configs[index], name=name, on_lost=self._on_handle_lost), SPAWN_TIMEOUT_S)
+            self._spawning_names.add(name)
+            try:
+                new = await asyncio.wait_for(spawn_generator(
+                    self.configs[index], name=name, on_lost=self._on_handle_lost),
+                    SPAWN_TIMEOUT_S)
+            finally:
+                self._spawning_names.discard(name)
             self.handles[index] = new
             async with self._push_lock:
                 await self.trainer.push_to(new, self.policy_version)

@@ -188,13 +188,15 @@ class RLJob(Configurable):
                     await watch.run_until_failure(self._train(plan, parts, resume_dir, state))
                 finally:
                     await parts.close()
-            except Exception as e:
-                if watch.failures:  # summarised after the close: every failure is reported now
+            except RunFailedError as e:
+                if watch.failures:  # summarised after the close: every failure is in by now
                     raise RunFailedError(watch.summary()) from e
-                if is_supervision_error(e):  # a call saw the death before Monarch's hook did
-                    raise RunFailedError(
-                        "actor mesh failure: " + " ".join(str(e).split())) from e
                 raise
+            except Exception as e:
+                if is_supervision_error(e):  # a call to a dead actor: say which, in one line
+                    raise RunFailedError(watch.summary() if watch.failures else
+                                         "actor mesh failure: " + " ".join(str(e).split())) from e
+                raise  # the run's own error, not masked by failures of the meshes it stopped
         history = state.validation_history
         summary = {
             "reward_before": history[0][1] if history else None,

@@ -163,7 +163,11 @@ class TrainingLoop(Configurable):
                 break
             except GeneratorLostError as e:
                 # Whole, from its prompt, with the same group id (same request seeds), exactly
-                # as a resumed run restarts its in-flight groups.
+                # as a resumed run restarts its in-flight groups; unless this task is being
+                # cancelled (the run is ending): the rollouts' TaskGroup may have consumed the
+                # CancelledError while it failed with the generator's error.
+                if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                    raise asyncio.CancelledError from e
                 self.num_groups_restarted += 1
                 logger.warning("group %d restarts from its prompt: %s", group_id, e)
         self.num_finished += 1

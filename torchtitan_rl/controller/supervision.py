@@ -5,7 +5,8 @@
     a proc dies -> Monarch calls unhandled_fault_hook(failure) (on its own thread)
         -> the controller's event loop: _dispatch(mesh name, report)
            a generator's mesh            -> pool.lost(i): replaced, the run goes on
-           a replaced generator's mesh   -> ignored (late events of a mesh already gone)
+           a replaced generator's mesh   -> ignored (late events of a mesh already gone; a
+                                            replacement that fails to spawn fails the spawn)
            a proc's internal logger mesh -> ignored (it dies with every proc; the actor mesh on
                                             that proc reports the same death)
            anything else (the trainer)   -> the run is cancelled -> RunFailedError(summary)
@@ -38,7 +39,7 @@ class ReplacesGenerators(Protocol):
     """What the watch needs of the generator pool (controller/generator_pool.py)."""
 
     def index_of_mesh(self, mesh_name: str) -> int | None: ...
-    def is_retired(self, mesh_name: str) -> bool: ...
+    def ignores(self, mesh_name: str) -> bool: ...
     def lost(self, index: int, reason: str) -> None: ...
 
 
@@ -90,7 +91,7 @@ class MeshFailureWatch:
 
     def _dispatch(self, mesh_name: str, report: str) -> None:
         pool = self.generators
-        if mesh_name.startswith("logger-") or (pool is not None and pool.is_retired(mesh_name)):
+        if mesh_name.startswith("logger-") or (pool is not None and pool.ignores(mesh_name)):
             logger.info("actor mesh failure (no action): %s", report)
             return
         index = pool.index_of_mesh(mesh_name) if pool is not None else None
@@ -111,10 +112,25 @@ class MeshFailureWatch:
             if not task.done():
                 task.cancel()
                 await asyncio.wait({task}, timeout=self.cancel_grace_s)
+                if not task.done():
+                    logger.warning("the run did not stop within %.0f s of being cancelled: %s",
+                                   self.cancel_grace_s, _stacks())
         if task.done() and not task.cancelled():
             return task.result()
         raise RunFailedError(self.summary())
 
     def summary(self) -> str:
-        """One line naming the first fatal failure."""
-        return f"actor mesh failure: {self.failures[0] if self.failures else 'unknown'}"
+        """One line naming the first fatal failure of one of our actors (Monarch's own actors on
+        the same proc, e.g. torch elastic set-up, report the same death less clearly)."""
+        ours = [f for f in self.failures if "torchtitan_rl." in f or "was lost" in f]
+        return f"actor mesh failure: {(ours or self.failures or ['unknown'])[0]}"
+
+
+def _stacks() -> str:
+    """Where every task of the event loop waits (why a cancelled run does not stop)."""
+    import io
+
+    out = io.StringIO()
+    for task in asyncio.all_tasks():
+        task.print_stack(limit=6, file=out)
+    return out.getvalue()

@@ -21,8 +21,10 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.console import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -112,25 +114,15 @@ class WarmStart(Configurable):
         start = time.perf_counter()
         logger.info("warm start: %d steps x %d conversations from %s", cfg.num_steps,
                     cfg.batch_size, base_model_dir)
-        for step in range(cfg.num_steps):
-            batch = rng.sample(examples, cfg.batch_size)
-            width = max(len(ids) for ids, _ in batch)
-            input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-            labels = torch.full((len(batch), width), -100, dtype=torch.long)
-            for row, (ids, mask) in enumerate(batch):
-                input_ids[row, : len(ids)] = torch.tensor(ids)
-                labels[row, : len(ids)] = torch.tensor(
-                    [t if m else -100 for t, m in zip(ids, mask)]
-                )
-            loss = model(input_ids=input_ids, labels=labels).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-            optimizer.zero_grad(set_to_none=True)
-            if step % 50 == 0 or step == cfg.num_steps - 1:
-                logger.info("warm start step %d/%d loss=%.4f (%.0f s)", step + 1, cfg.num_steps,
-                            loss.item(), time.perf_counter() - start)
+        with progress_bar(total=cfg.num_steps, desc="warm start") as bar:
+            for step in range(cfg.num_steps):
+                loss = self._step(model, optimizer, schedule, rng.sample(examples, cfg.batch_size),
+                                  pad_id)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+                if step % 50 == 0 or step == cfg.num_steps - 1:
+                    logger.info("warm start step %d/%d loss=%.4f (%.0f s)", step + 1,
+                                cfg.num_steps, loss, time.perf_counter() - start)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=".warm-", dir=out.parent))
         try:
@@ -144,6 +136,26 @@ class WarmStart(Configurable):
             if tmp.exists():
                 shutil.rmtree(tmp)
         logger.info("warm start: wrote %s in %.0f s", out, time.perf_counter() - start)
+
+    @staticmethod
+    def _step(model: Any, optimizer: Any, schedule: Any,
+              batch: list[tuple[list[int], list[int]]], pad_id: int) -> float:
+        """One optimizer step on ``batch`` (token ids, assistant mask); returns the loss."""
+        import torch
+
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        for row, (ids, mask) in enumerate(batch):
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            labels[row, : len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
+        loss = model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
 
 
 def _tokenize_with_assistant_mask(tokenizer, conversation: Conversation) -> tuple[list[int], list[int]]:
