@@ -6,5 +6,4 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/setup_env.sh
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
-echo "[train] .venv/bin/python -m torchtitan_rl.train --config run_configs/alphabet_sort_cpu.toml $*" >&2
 exec .venv/bin/python -m torchtitan_rl.train --config run_configs/alphabet_sort_cpu.toml "$@"

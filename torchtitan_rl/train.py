@@ -1,8 +1,10 @@
 """Entry point: resolve a run's config (defaults < TOML < CLI) and run it.
 
     python -m torchtitan_rl.train --config run_configs/alphabet_sort_cpu.toml [--dotted.key value ...]
+    python -m torchtitan_rl.train --config ... --help            # every option, documented
     python -m torchtitan_rl.train --config ... --print-config    # the config as written, TOML
     python -m torchtitan_rl.train --config ... --print-resolved  # what each part gets, TOML
+    python -m torchtitan_rl.train --config ... --log.level debug # every log line on the console
     torchrun --nproc_per_node=N -m torchtitan_rl.train --config ... --num_trainer_ranks N
         # the torchrun processes are the trainer ranks, rank 0 the controller
         # (controller/torchrun.py); rank 0 prints, the other ranks print nothing
@@ -10,6 +12,10 @@
 From Python: ``torchtitan_rl.train.main(config)`` with an ``RLJob.Config`` you built or ``replace``d.
 Config errors print one line (``error: ...``) and exit with code 2; a run that fails (an actor
 proc died) prints one ``error: ...`` line and exits with code 1.
+
+The console is quiet (console.py): the run folder, progress bars, validations, the last line; every
+other line goes to ``<run folder>/logs/train.log``. ``--help`` imports nothing heavy (the job's
+modules import torch, vLLM and Monarch; the help reads the options from source).
 """
 
 from __future__ import annotations
@@ -18,24 +24,24 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Monarch polls its procs' health every 10 s by default: a dead generator would stall the run that
 # long before it is replaced. Set before Monarch starts (procs inherit it); a user's value wins.
 os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 
-from torchtitan_rl.config.errors import ConfigError
-from torchtitan_rl.config.manager import config_to_toml, parse_args
-from torchtitan_rl.controller.job import RLJob
-from torchtitan_rl.controller.supervision import RunFailedError
-from torchtitan_rl.controller.torchrun import run_follower, run_rank0, torchrun_rank
+from torchtitan_rl.config.errors import ConfigError  # noqa: E402 (after the env default)
+
+if TYPE_CHECKING:
+    from torchtitan_rl.controller.job import RLJob
 
 logger = logging.getLogger("torchtitan_rl")
 
-
-def _setup_logging() -> None:
-    level = os.environ.get("TORCHTITAN_RL_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+USAGE = ("usage: python -m torchtitan_rl.train [-h] [--config TOML] [--print-config] "
+         "[--print-resolved] [--log.level info|debug] [--SECTION.KEY VALUE ...]")
+DESCRIPTION = ("Run GRPO post-training as the config describes (defaults < TOML file < command "
+               "line). Every field below is a dotted command-line option; lists are "
+               "comma-separated, a bare bool flag means true.")
 
 
 def main(config: RLJob.Config) -> dict[str, Any]:
@@ -45,10 +51,27 @@ def main(config: RLJob.Config) -> dict[str, Any]:
 
 def cli(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    from torchtitan_rl.config.help import help_text, wants_help
+
+    if wants_help(argv):  # before importing the job: the help reads the options from source
+        from torchtitan_rl.config.manager import GLOBAL_OPTIONS
+
+        try:
+            sys.stdout.write(help_text(argv, usage=USAGE, description=DESCRIPTION,
+                                       global_options=GLOBAL_OPTIONS))
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        return
+    from torchtitan_rl.config.manager import config_to_toml, log_level, parse_args
+    from torchtitan_rl.controller.job import RLJob
+    from torchtitan_rl.controller.torchrun import run_follower, run_rank0, torchrun_rank
+
     rank = torchrun_rank()  # None unless torchrun started this process
     follower = rank is not None and rank > 0  # prints nothing: rank 0 reports for the job
     try:
         parsed = parse_args(RLJob.Config, argv)
+        level = log_level(parsed.log_level)
     except ConfigError as e:
         if follower:  # rank 0 reports it (a failing follower would get rank 0 killed first)
             sys.exit(0)
@@ -66,11 +89,36 @@ def cli(argv: list[str] | None = None) -> None:
                 print(f"error: {e}", file=sys.stderr)
                 sys.exit(2)
         return
-    _setup_logging()
+    from torchtitan_rl.console import console_line, setup_run_logging
+
+    log_file = setup_run_logging(parsed.config.run_dir, level)
+    if not follower:
+        console_line(f"run folder: {parsed.config.run_dir.resolve()} (log: {log_file})")
     if rank is not None:
-        sys.exit(run_follower(parsed.config) if follower
-                 else run_and_report(parsed.config, run=run_rank0))
-    sys.exit(run_and_report(parsed.config))
+        sys.exit(guarded(lambda: run_follower(parsed.config)) if follower
+                 else guarded(lambda: run_and_report(parsed.config, run=run_rank0)))
+    sys.exit(guarded(lambda: run_and_report(parsed.config)))
+
+
+def guarded(run: Callable[[], int]) -> int:
+    """``run()``'s exit code; an unexpected exception is one ``error:`` line on the console (its
+    traceback goes to the log file) and exit code 1, Ctrl-C exit code 130."""
+    from torchtitan_rl.console import LOG_FILE_ENV, console_err
+
+    try:
+        return run()
+    except KeyboardInterrupt:
+        logger.warning("interrupted")
+        return 130
+    except Exception as e:
+        logging.getLogger("torchtitan_rl.train").error(
+            "the run raised %s", type(e).__name__, exc_info=True,
+            extra={"console": False})  # the traceback: log file only (see console.py)
+        message = " ".join(str(e).split()) or type(e).__name__
+        where = os.environ.get(LOG_FILE_ENV)
+        print(f"error: {type(e).__name__}: {message}" + (f" (traceback: {where})" if where else ""),
+              file=console_err())
+        return 1
 
 
 def run_and_report(config: RLJob.Config,
@@ -78,18 +126,21 @@ def run_and_report(config: RLJob.Config,
     """Run ``config`` as the command line does (with ``run``, default `main`): the summary as
     the last line, or one ``error:`` line. Returns the process exit code (0 ok, 1 run failed,
     2 bad config)."""
+    from torchtitan_rl.console import console_err, console_out
+    from torchtitan_rl.controller.supervision import RunFailedError
+
     try:
         summary = run(config)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=console_err())
         return 2
     except RunFailedError as e:
         logger.debug("run failed", exc_info=True)
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=console_err())
         return 1
     # The last line of the job: what a person (or a script) reads first.
     print(" ".join(f"{k}={_fmt(summary[k])}" for k in ("reward_before", "reward_after", "steps",
-                                                        "wall_s")))
+                                                        "wall_s")), file=console_out())
     return 0
 
 

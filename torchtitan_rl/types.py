@@ -60,6 +60,7 @@ class GenerateRequest:
 class GenerateFn(Protocol):
     """Generate one completion; the rollout code never knows what stands behind it (a generator
     actor, a router over several, a wrapper that times or resumes requests, a test function).
+    ``torchtitan_rl.rollout.HttpGenerateFn`` is one over an OpenAI-compatible server (vLLM's).
 
     Returns None when the request was dropped or cancelled (the rollout then ends ERROR_ABORT).
     An exception is an infrastructure failure: it propagates and fails the whole group.

@@ -94,3 +94,44 @@ def test_transformers_and_vllm_agree_on_greedy_tokens_in_float32(tiny_model_dir)
             hf_out = hf.generate(torch.tensor([ids]), max_new_tokens=num_new, do_sample=False,
                                  min_new_tokens=num_new)
         assert hf_out[0, len(ids):].tolist() == vllm_tokens[str(i)]
+
+
+def test_pad_token_row_is_initialised_like_every_other_row(tmp_path):
+    """Token 0 (<|endoftext|>, the pad id) once had an all-zero embedding row: a sampled pad token
+    fed RMSNorm a zero vector and its gradient exploded. Only that row differs from a model
+    built with padding_idx (same seed, same RNG stream)."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    made = make_model("tiny", tmp_path / "m", seed=0)
+    config = json.loads((made / "config.json").read_text())
+    assert config["pad_token_id"] == 0
+    weights = load_file(made / "model.safetensors")
+    embedding = weights["model.embed_tokens.weight"]
+    row0 = embedding[0]
+    assert row0.abs().min() > 0  # no zero entry, let alone a zero row
+    others = embedding[1:].norm(dim=1)
+    assert others.min() <= row0.norm() <= others.max()
+    assert abs(row0.std().item() - config["initializer_range"]) < 0.5 * config["initializer_range"]
+
+    torch.manual_seed(0)  # what the maker built before: padding_idx=0 zeroes row 0
+    old = Qwen3ForCausalLM(Qwen3Config.from_pretrained(made)).to(torch.float32).state_dict()
+    assert old["model.embed_tokens.weight"][0].abs().sum() == 0
+    assert torch.equal(old["model.embed_tokens.weight"][1:], embedding[1:])
+    for name, tensor in weights.items():
+        if name != "model.embed_tokens.weight":
+            assert torch.equal(old[name], tensor), name
+
+
+def test_ensure_model_remakes_a_model_made_by_an_older_maker(tmp_path):
+    from torchtitan_rl.assets.make_model import MAKER_FILE, MAKER_VERSION
+
+    made = ensure_model("tiny", tmp_path)
+    digest = directory_digest(made)
+    assert json.loads((made / MAKER_FILE).read_text()) == {
+        "maker_version": MAKER_VERSION, "size": "tiny", "seed": 0}
+    (made / MAKER_FILE).unlink()  # as cached before the maker wrote a version (zero pad row)
+    assert directory_digest(ensure_model("tiny", tmp_path)) == digest
+    (made / MAKER_FILE).write_text(json.dumps(
+        {"maker_version": MAKER_VERSION - 1, "size": "tiny", "seed": 0}))
+    assert directory_digest(ensure_model("tiny", tmp_path)) == digest

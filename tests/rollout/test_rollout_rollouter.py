@@ -37,7 +37,9 @@ def test_rollouter_group_ids_seeds_rewards_and_advantages() -> None:
     assert group.group_id == 11 and group.episode["episode_id"] == "e1"
     assert [r.status for r in group.rollouts] == [RolloutStatus.COMPLETED] * 4
     assert group.rewards == [3.0, 3.0, 0.0, 0.0]  # default score: sum of the reward parts
-    assert group.advantages == [1.5, 1.5, -1.5, -1.5]
+    # default advantage_std "sample": mean 1.5, stdev([3, 3, 0, 0]) = sqrt(9 / 3) = sqrt(3)
+    a = 1.5 / (3 ** 0.5 + 1e-6)
+    assert group.advantages == pytest.approx([a, a, -a, -a], rel=1e-12)
     assert not group.dropped
     assert sorted(c.request_id for c in gen.calls) == sorted(
         f"group=11/rollout={r}/turn={t}" for r in range(4) for t in range(3))
@@ -96,7 +98,10 @@ def test_rollouter_env_errors_and_timeouts_end_only_their_rollout() -> None:
     assert "env broke on turn 1" in group.rollouts[0].error
     assert len(group.rollouts[0].turns) == 2 and len(group.rollouts[2].turns) == 0
     # errored rollouts are out of the baseline and of training; the rest carry on
-    assert group.advantages == [None, None, None, 1.5, -1.5]
+    # counted rewards [3, 0]: mean 1.5, stdev = sqrt(2 * 1.5**2 / 1) = 1.5 * sqrt(2)
+    a = 1.5 / (1.5 * 2 ** 0.5 + 1e-6)
+    assert group.advantages[:3] == [None, None, None]
+    assert group.advantages[3:] == pytest.approx([a, -a], rel=1e-12)
     assert not group.dropped
     samples = rollout_group_to_training_samples(group)
     assert [s.sample_id for s in samples] == ["group=0/rollout=3/branch=0",
@@ -111,7 +116,9 @@ def test_rollouter_error_reward_keeps_errored_rollouts_in_the_baseline() -> None
     gen = ScriptedGenerate(lambda rid, _: "yes")
     rollouter = _rollouter(lambda s: next(envs), group_size=2, error_reward=-1.0)
     group = run(rollouter.run_group_rollouts(gen, {}, 0))
-    assert group.rewards == [-1.0, 1.0] and group.advantages == [-1.0, 1.0]
+    # rewards [-1, 1]: mean 0, stdev sqrt(2)
+    a = 1.0 / (2 ** 0.5 + 1e-6)
+    assert group.rewards == [-1.0, 1.0] and group.advantages == pytest.approx([-a, a], rel=1e-12)
     assert len(rollout_group_to_training_samples(group)) == 2
 
 
@@ -166,12 +173,18 @@ def test_rollouter_turn_cap_and_zero_std_drop() -> None:
 
 def test_rollouter_std_normalisation() -> None:
     gen = ScriptedGenerate(lambda rid, _: "yes" if _rollout_index(rid) == 0 else "no")
-    rollouter = _rollouter(lambda s: CountingEnv(1), std_normalize=True)
+    rollouter = _rollouter(lambda s: CountingEnv(1), advantage_std="population")
     group = run(rollouter.run_group_rollouts(gen, {}, 0))
-    # rewards [1, 0, 0, 0]: mean 0.25, std sqrt(3)/4
+    # rewards [1, 0, 0, 0]: mean 0.25, population std sqrt(3)/4
     std = 3 ** 0.5 / 4
     assert group.advantages == pytest.approx([0.75 / std, -0.25 / std, -0.25 / std, -0.25 / std],
                                              rel=1e-5)
+    # by hand, sample std: squared deviations 0.5625 + 3 x 0.0625 = 0.75, / (4 - 1) = 0.25 -> 0.5
+    sample = run(_rollouter(lambda s: CountingEnv(1)).run_group_rollouts(gen, {}, 0))
+    assert sample.advantages == pytest.approx([1.5, -0.5, -0.5, -0.5], rel=1e-5)
+    mean_only = run(_rollouter(lambda s: CountingEnv(1), advantage_std="none")
+                    .run_group_rollouts(gen, {}, 0))
+    assert mean_only.advantages == [0.75, -0.25, -0.25, -0.25]
 
 
 def test_rollouter_counts_drift_but_keeps_the_generated_tokens() -> None:

@@ -23,6 +23,13 @@ logger = logging.getLogger(__name__)
 
 TOKENIZER_VOCAB_SIZE = 1024
 
+MAKER_VERSION = 2
+"""Bumped whenever the same size and seed would give different files, so `ensure_model` remakes a
+cached model made by an older maker. 2: the pad token's embedding row is initialised like every
+other row (it was all zeros: see `make_model`)."""
+MAKER_FILE = "made_by.json"
+"""Written next to config.json: the maker version, size and seed of the directory."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSize:
@@ -100,8 +107,15 @@ def make_model(size: str, out_dir: str | os.PathLike, *, seed: int = 0) -> pathl
         pad_token_id=pad_id,
         torch_dtype="float32",
     )
+    # The pad token (<|endoftext|>, id 0) gets a random embedding row like every other token:
+    # with padding_idx set, transformers zero-initialises that row, and a rollout that samples the
+    # token then feeds RMSNorm a zero vector, whose gradient is amplified ~1/eps (one such sample
+    # gave a grad norm of 11.4 against ~0.02, and clipping shrank the whole step 11x). So the model
+    # is built without a padding_idx; config.json still names the pad id for vLLM and HF.
+    config.pad_token_id = None
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(torch.float32)
+    model.config.pad_token_id = pad_id
 
     # Write into a temporary sibling, then swap: a crashed run never leaves a half-written model.
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -110,9 +124,15 @@ def make_model(size: str, out_dir: str | os.PathLike, *, seed: int = 0) -> pathl
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id).save_pretrained(tmp)
+        (tmp / MAKER_FILE).write_text(json.dumps(
+            {"maker_version": MAKER_VERSION, "size": size, "seed": seed}, indent=2) + "\n")
         if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+            shutil.rmtree(out, ignore_errors=True)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process made it meanwhile: keep theirs when it is current
+            if not _matches_spec(out, spec, size=size, seed=seed):
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -133,18 +153,28 @@ def directory_digest(path: str | os.PathLike) -> str:
 def ensure_model(size: str, root: str | os.PathLike = "assets/models", *, seed: int = 0) -> pathlib.Path:
     """The model directory for ``size`` under ``root``, created on first use."""
     out = pathlib.Path(root) / (size if seed == 0 else f"{size}-seed{seed}")
-    if not _matches_spec(out, MODEL_SIZES.get(size)):
+    if not _matches_spec(out, MODEL_SIZES.get(size), size=size, seed=seed):
         make_model(size, out, seed=seed)
     return out
 
 
-def _matches_spec(model_dir: pathlib.Path, spec: ModelSize | None) -> bool:
-    """Whether ``model_dir`` holds a model of this shape (a cached model made before the size's
-    shape changed is remade, not silently reused)."""
+def _matches_spec(model_dir: pathlib.Path, spec: ModelSize | None, *, size: str,
+                  seed: int) -> bool:
+    """Whether ``model_dir`` holds what `make_model` makes today for this size and seed: the same
+    shape and a current maker version (a cached model made before the size's shape or the
+    maker's initialisation changed is remade, not silently reused; warm starts cached on the old
+    one are keyed by its digest, so they are remade too)."""
     config_file = model_dir / "config.json"
-    if spec is None or not config_file.is_file():
+    maker_file = model_dir / MAKER_FILE
+    if spec is None or not config_file.is_file() or not maker_file.is_file():
         return False
-    config = json.loads(config_file.read_text())
+    try:
+        maker = json.loads(maker_file.read_text())
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return False
+    if maker != {"maker_version": MAKER_VERSION, "size": size, "seed": seed}:
+        return False
     return all(config.get(field.name) == getattr(spec, field.name)
                for field in dataclasses.fields(ModelSize))
 

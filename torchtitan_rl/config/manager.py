@@ -10,6 +10,10 @@ what each part of the run gets (see controller/job.py).
 
 A polymorphic field's ``type`` (``--task.type``) is applied before the other overrides, so the
 command line can set the settings of the class it names.
+
+``--help`` is not parsed here: the CLIs answer it before importing the config tree
+(config/help.py reads the options from source). ``--log.level`` is a console setting, not part of
+the config (it never changes what a run computes), so it is parsed here but kept out of the tree.
 """
 
 from __future__ import annotations
@@ -44,6 +48,22 @@ class _RaisingArgumentParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+LOG_LEVELS = ("info", "debug")
+LOG_LEVEL_ENV = "TORCHTITAN_RL_LOG_LEVEL"
+
+GLOBAL_OPTIONS: list[tuple[str, str]] = [
+    ("-h, --help", "show this help (each option's type, default and docstring) and exit"),
+    ("--config TOML", "a run config file (defaults < TOML < command line); its values are "
+                      "shown beside the defaults below"),
+    ("--print-config", "print the config as written (defaults < TOML < CLI) as TOML and exit"),
+    ("--print-resolved", "print what each part of the run gets, resolved, and exit"),
+    ("--log.level info | debug", "info (default): a quiet console (the run folder, progress "
+                                 "bars, validations, the last line), every log line in "
+                                 "<run folder>/logs/; debug: every line on the console (and "
+                                 f"our DEBUG lines). Also the env var {LOG_LEVEL_ENV}."),
+]
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ParsedArgs:
     config: Any
@@ -51,6 +71,19 @@ class ParsedArgs:
     print_config: bool = False
     print_resolved: bool = False
     config_file: str | None = None
+    log_level: str | None = None
+    """``--log.level`` (None: not given; see `log_level`)."""
+
+
+def log_level(given: str | None) -> str:
+    """The console log level: ``--log.level``, else the env var, else "info"."""
+    import os
+
+    level = (given or os.environ.get(LOG_LEVEL_ENV) or "info").lower()
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"log.level: expected one of {', '.join(map(repr, LOG_LEVELS))}, got "
+                          f"{level!r}")
+    return level
 
 
 def load_toml(path: str | pathlib.Path) -> dict[str, Any]:
@@ -127,21 +160,22 @@ def parse_args(
     }
     if overrides:
         config = apply_overrides(config, overrides)
+    if args._log_level is not None:
+        log_level(args._log_level)  # a bad value is a one-line error now, before anything runs
     return ParsedArgs(
         config=config, print_config=args._print_config, print_resolved=args._print_resolved,
-        config_file=args._config_file,
+        config_file=args._config_file, log_level=args._log_level,
     )
 
 
 def _parser(root_cls: type, leaves: dict[str, Any]) -> _RaisingArgumentParser:
     parser = _RaisingArgumentParser(
-        prog="python -m torchtitan_rl.train", allow_abbrev=False, add_help=True
+        prog="python -m torchtitan_rl.train", allow_abbrev=False, add_help=False
     )
     parser.add_argument("--config", dest="_config_file", metavar="TOML", default=None)
-    parser.add_argument("--print-config", dest="_print_config", action="store_true",
-                        help="print the config as written (defaults < TOML < CLI) and exit")
-    parser.add_argument("--print-resolved", dest="_print_resolved", action="store_true",
-                        help="print what each part of the run gets, resolved, and exit")
+    parser.add_argument("--print-config", dest="_print_config", action="store_true")
+    parser.add_argument("--print-resolved", dest="_print_resolved", action="store_true")
+    parser.add_argument("--log.level", dest="_log_level", default=None)
     for path, tp in leaves.items():
         kwargs: dict[str, Any] = dict(dest=path, default=None, metavar=type_name(tp))
         if tp is bool:

@@ -213,7 +213,7 @@ class RLJob(Configurable):
     async def _train(self, plan: ResolvedJob, parts: RunParts, resume_dir: pathlib.Path | None,
                      state: ControllerState) -> None:
         """Everything between spawning the meshes and closing them; updates ``state``."""
-        from tqdm import tqdm
+        from torchtitan_rl.console import progress_bar
 
         if resume_dir is not None:
             await parts.checkpointer.restore(parts.trainer, resume_dir, state)
@@ -222,8 +222,8 @@ class RLJob(Configurable):
                 if step == state.step:  # its log lines were dropped with the killed run's
                     parts.metrics.log(step, {"validation/reward_mean": mean,
                                              "validation/reward_stderr": stderr})
-        with tqdm(total=plan.loop.num_steps, initial=state.step, desc="steps",
-                  dynamic_ncols=True) as progress:
+        with progress_bar(total=plan.loop.num_steps, initial=state.step,
+                          desc="GRPO steps") as progress:
             await plan.loop.build(parts=parts, state=state, progress=progress).run()
         run_dir = pathlib.Path(plan.run_dir)
         if plan.checkpoint.export_hf:

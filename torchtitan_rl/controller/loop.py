@@ -26,6 +26,7 @@ import time
 from typing import Any, Literal
 
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.console import CONSOLE
 from torchtitan_rl.controller.checkpointer import ControllerState, FinishedGroup
 from torchtitan_rl.controller.idle_ratios import IdleRatios
 from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
@@ -228,11 +229,13 @@ class TrainingLoop(Configurable):
         parts.metrics.log(step, metrics)
         parts.recorder.maybe_record(step, groups, parts.tokenizer)
         if self.progress is not None:
+            postfix = {"reward": f"{metrics.get('rollout_reward/mean', float('nan')):.3f}"}
+            if state.validation_history:
+                postfix["val"] = f"{state.validation_history[-1][1]:.3f}"
+            postfix["tok_s"] = f"{metrics['throughput/generated_tokens_per_s']:.0f}"
+            postfix["step_s"] = f"{step_s:.1f}"
             self.progress.update(1)
-            self.progress.set_postfix(
-                reward=f"{metrics.get('rollout_reward/mean', float('nan')):.3f}",
-                tok_s=f"{metrics['throughput/generated_tokens_per_s']:.0f}",
-            )
+            self.progress.set_postfix(postfix)
         if parts.validator.due(version) and version < self.config.num_steps:
             await self.validate(version)
         if parts.checkpointer.due(version):
@@ -301,7 +304,8 @@ class TrainingLoop(Configurable):
         self.state.validation_history.append((step, result.reward_mean, result.reward_stderr))
         parts.metrics.log(step, result.metrics())
         logger.info("validation step=%d reward=%.4f +- %.4f (%d rollouts)", step,
-                    result.reward_mean, result.reward_stderr, result.num_rollouts)
+                    result.reward_mean, result.reward_stderr, result.num_rollouts,
+                    extra=CONSOLE)
 
     # ---- the trained-samples log: which groups and samples every step trained on -----------------
     def _log_trained(self, step: int, group_ids: list[int], samples: list) -> None:

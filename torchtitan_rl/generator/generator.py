@@ -35,6 +35,7 @@ import torch.distributed as dist
 from monarch.actor import Actor, concurrent_endpoint, current_rank
 
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.console import configure_process_logging
 from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.generator.config import WeightSyncPolicy
 from torchtitan_rl.generator.engine_loop import EngineLoop, StepStats
@@ -112,6 +113,7 @@ class Generator(Actor, Configurable):
                 )
 
     def __init__(self, config: Config) -> None:
+        configure_process_logging()  # this proc's log lines to the run's log file, vLLM quiet
         self.config = config
         self.rank = current_rank().rank
         self.loop: EngineLoop | None = None

@@ -1,11 +1,13 @@
 """The rollout layer: environments in messages and tokens, rollouts, advantages, packing, metrics.
 
     episode spec --Rollouter.run_group_rollouts(generate_fn, episode)--> RolloutGroup
-        (each turn: GenerateRequest --generate_fn--> Completion; GenerateFn from torchtitan_rl.types)
+        (each turn: GenerateRequest --generate_fn--> Completion; GenerateFn from
+         torchtitan_rl.types; HttpGenerateFn is one over an OpenAI-compatible server)
     RolloutGroup --rollout_group_to_training_samples--> [TrainingSample] --> batcher -> trainer
 """
 
 from torchtitan_rl.rollout.advantage import group_advantages
+from torchtitan_rl.rollout.http_generate import HttpGenerateFn
 from torchtitan_rl.rollout.message_env import EnvStep, Message, MessageEnv
 from torchtitan_rl.rollout.metrics import rollout_metrics
 from torchtitan_rl.rollout.packing import (
@@ -30,6 +32,7 @@ __all__ = [
     "EnvStep",
     "GenerateFn",
     "GenerateRequest",
+    "HttpGenerateFn",
     "Message",
     "MessageEnv",
     "Rollout",

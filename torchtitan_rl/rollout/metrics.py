@@ -1,7 +1,9 @@
 """Rollout metrics over a batch of groups, as a flat {"area/name": float} dict.
 
 Per rollout: turns, branches, reward, output tokens (all completion tokens of the rollout).
-Counts: groups, rollouts, dropped groups by reason, drift events; fractions per status.
+Counts: groups, rollouts, dropped groups by reason, drift events, special tokens sampled inside
+replies (a pad or <|im_start|> token mid-reply is a symptom worth seeing, see
+RolloutTurn.num_special_tokens); fractions per status.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def rollout_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
         "rollout/num_groups_dropped_all_errored": float(
             sum(g.drop_reason == "all_errored" for g in groups)),
         "rollout/num_drift_events": float(sum(r.num_drift_events for r in rollouts)),
+        "rollout/num_special_tokens_in_replies": float(
+            sum(r.num_special_tokens for r in rollouts)),
     }
     if not rollouts:
         return metrics

@@ -104,6 +104,7 @@ class Rollouter(Configurable):
         self.config = config
         self._tokenizer = tokenizer
         self._make_env = make_env
+        self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
 
     async def run_group_rollouts(
         self,
@@ -206,11 +207,20 @@ class Rollouter(Configurable):
                     env_messages=next_step.env_messages,
                     reward_parts=next_step.reward_parts,
                     drift=next_step.drift,
+                    num_special_tokens=self._count_special(completion.token_ids,
+                                                           completion.finish_reason),
                 ))
             rollout.num_drift_events += int(next_step.drift)
             step = next_step
         rollout.status = step.status
         rollout.error = step.error
+
+    def _count_special(self, token_ids: list[int], finish_reason: str) -> int:
+        """Special tokens in a reply, not counting the end-of-turn token a stopped reply ends
+        with (see RolloutTurn.num_special_tokens)."""
+        if finish_reason == "stop" and token_ids and token_ids[-1] in self._special_ids:
+            token_ids = token_ids[:-1]
+        return sum(t in self._special_ids for t in token_ids)
 
     def _score(self, message_env: MessageEnv, rollout: Rollout) -> None:
         if rollout.status.is_error:
@@ -240,5 +250,7 @@ class Rollouter(Configurable):
         if no_signal == "all_errored" or (no_signal and self.config.drop_zero_std_groups):
             group.dropped = True
             group.drop_reason = no_signal
-            logger.info("group %d dropped: %s (rewards %s)", group.group_id, no_signal,
+            # DEBUG: counted per step (rollout/num_groups_dropped_*); every validation group of
+            # one sample is "dropped" too, which says nothing.
+            logger.debug("group %d dropped: %s (rewards %s)", group.group_id, no_signal,
                         [round(r, 4) for r in group.rewards])

@@ -68,6 +68,11 @@ class RolloutTurn:
     drift: bool = False
     """True when re-rendering the whole history after this turn would not extend
     prompt + completion tokens (what a re-tokenising loop would have broken)."""
+    num_special_tokens: int = 0
+    """Special tokens (the tokenizer's, e.g. the pad <|endoftext|> or <|im_start|>) sampled inside
+    the reply; the end-of-turn token that ends a stopped reply does not count. They are trained on
+    like any token (banning them would change the sampled distribution the logprobs describe),
+    so they are counted: `rollout/num_special_tokens_in_replies`."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -98,6 +103,10 @@ class Rollout:
     @property
     def replies(self) -> list[str]:
         return [t.completion_text for t in self.turns]
+
+    @property
+    def num_special_tokens(self) -> int:
+        return sum(t.num_special_tokens for t in self.turns)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

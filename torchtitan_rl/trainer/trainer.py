@@ -34,6 +34,7 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.console import configure_process_logging
 from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.trainer.batcher import TrainingBatch
 from torchtitan_rl.trainer.core import PolicyTrainerCore
@@ -57,6 +58,7 @@ class PolicyTrainer(Actor, Configurable):
         segment and sends references (same host only, see weight_sync/shared_memory.py)."""
 
     def __init__(self, config: Config, *, model_dir: str | None = None) -> None:
+        configure_process_logging()  # this proc's log lines to the run's log file
         self.core = PolicyTrainerCore(config, model_dir=model_dir)
         self.weight_transport = config.weight_transport
         self.pusher = WeightPusher(model_config=self.core.model_config)
