@@ -32,12 +32,13 @@ def test_each_step_reports_mfu_against_the_measured_peak(model_dir):  # noqa: F8
     core.forward_backward(_batch(0))
     assert torch.equal(torch.get_rng_state(), rng_before)  # the peak's matmul used its own RNG
     metrics = core.optim_step()
-    assert core.peak_flops is not None and core.peak_flops > 0
-    assert metrics["trainer/peak_tflops"] == pytest.approx(core.peak_flops / 1e12)
+    peak = core.utilization.peak_flops
+    assert peak is not None and peak > 0
+    assert metrics["trainer/peak_tflops"] == pytest.approx(peak / 1e12)
     assert 0 < metrics["trainer/mfu"]
-    assert metrics["trainer/tflops"] == pytest.approx(metrics["trainer/mfu"] * core.peak_flops / 1e12)
+    assert metrics["trainer/tflops"] == pytest.approx(metrics["trainer/mfu"] * peak / 1e12)
     # 4 samples of 12 tokens: the padding of the 32-token rows is not counted
-    assert core._step_tokens == 48
+    assert core.utilization.num_tokens == 48
 
 
 def test_peak_is_a_positive_rate():

@@ -43,7 +43,7 @@ from torchtitan_rl.models.qwen3 import (
 )
 from torchtitan_rl.trainer import checkpoint as ckpt
 from torchtitan_rl.trainer.batcher import TrainingBatch
-from torchtitan_rl.trainer.flops import flops_per_token, measure_peak_flops
+from torchtitan_rl.trainer.flops import UtilizationMeter
 from torchtitan_rl.trainer.loss import MAX_KEYS, SUM_KEYS, GRPOLoss, finalize_loss_metrics
 from torchtitan_rl.trainer.parallel import (
     build_parallel_dims,
@@ -167,11 +167,10 @@ class PolicyTrainerCore(Configurable):
         )
         self.policy_version = 0
         """Optimizer steps taken (restored from checkpoints): the version of the current weights."""
-        self.peak_flops: float | None = None
-        """This rank's measured matmul peak (FLOP/s), at the first step (see flops.py)."""
-        self.flops_per_token = 0
-        self._step_start = 0.0
-        self._step_tokens = 0
+        self.utilization = UtilizationMeter(
+            model_config=self.model_config, model=self.model, dtype=self.compute_dtype,
+            device=self.device, tensor_parallel_degree=config.tensor_parallel_degree)
+        """trainer/mfu of each step (see flops.py)."""
         batch_mesh = self._mesh("batch")
         self.dp_size = batch_mesh.size() if batch_mesh is not None else 1
         self.dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
@@ -188,18 +187,15 @@ class PolicyTrainerCore(Configurable):
         (reduced over data-parallel ranks)."""
         if batch.dp_size != self.dp_size:
             raise ValueError(f"batch has dp_size {batch.dp_size}, the trainer has {self.dp_size}")
-        start = time.perf_counter()
-        if self.peak_flops is None:
-            self._measure_peak(rows=batch.input_ids.shape[2] * batch.input_ids.shape[3],
+        self.utilization.start(rows=batch.input_ids.shape[2] * batch.input_ids.shape[3],
                                seq_len=batch.input_ids.shape[3])
-            start = time.perf_counter()
-        self._step_start, self._step_tokens = start, 0
+        start = time.perf_counter()
         self.model.train()
         sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
         maxima = torch.zeros(len(MAX_KEYS), dtype=torch.float64)
         for index in range(batch.num_microbatches):
             data = {k: v.to(self.device) for k, v in batch.microbatch(index, self.dp_rank).items()}
-            self._step_tokens += int((data["document_ids"] >= 0).sum())
+            self.utilization.count(data["document_ids"])
             with self._autocast():
                 logits = self._logits(data["input_ids"], data["positions"])
             logprobs, entropy = _logprobs_and_entropy(logits, data["labels"])
@@ -247,34 +243,14 @@ class PolicyTrainerCore(Configurable):
                            self.policy_version, float(grad_norm))
         self.optimizer.zero_grad(set_to_none=True)
         self.policy_version += 1
-        end = time.perf_counter()
         return {
-            **self._utilization(end - self._step_start),
+            **self.utilization.finish(),
             "trainer/grad_norm": float(grad_norm),
             "trainer/skipped_step": 0.0 if finite else 1.0,
             "trainer/lr": lr,
             "trainer/policy_version": float(self.policy_version),
             "trainer/optim_step_s": time.perf_counter() - start,
         }
-
-    def _measure_peak(self, *, rows: int, seq_len: int) -> None:
-        """The matmul peak for this model's shapes and this rank's threads, and the model's
-        FLOPs per token at the batches' sequence length; once, at the first step."""
-        weights = [p for n, p in self.model.named_parameters()
-                   if n.endswith("feed_forward.w1.weight")]
-        intermediate, hidden = weights[0].shape if weights else (1024, 1024)
-        self.peak_flops = measure_peak_flops(hidden=hidden, intermediate=intermediate, rows=rows,
-                                             dtype=self.compute_dtype, device=self.device)
-        self.flops_per_token = flops_per_token(self.model_config, self.model, seq_len)
-
-    def _utilization(self, seconds: float) -> dict[str, float]:
-        """This step's model FLOPs utilization on this rank (forward_backward to optim_step)."""
-        if not self.peak_flops or seconds <= 0:
-            return {}
-        tp = self.config.tensor_parallel_degree
-        flops = self.flops_per_token / tp * self._step_tokens / seconds
-        return {"trainer/mfu": flops / self.peak_flops, "trainer/tflops": flops / 1e12,
-                "trainer/peak_tflops": self.peak_flops / 1e12}
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
@@ -285,7 +261,6 @@ class PolicyTrainerCore(Configurable):
         out = torch.zeros(batch.labels.shape, dtype=torch.float32)
         for index in range(batch.num_microbatches):
             data = {k: v.to(self.device) for k, v in batch.microbatch(index, self.dp_rank).items()}
-            self._step_tokens += int((data["document_ids"] >= 0).sum())
             with self._autocast():
                 logits = self._logits(data["input_ids"], data["positions"])
             has_target = data["document_ids"] >= 0

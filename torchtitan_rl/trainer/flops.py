@@ -5,6 +5,7 @@
     peak_flops      = measure_peak_flops(...)   once at start: the best of a few matmuls of the
                       model's own shapes (hidden x intermediate) in the training dtype
     trainer/mfu     = flops_per_token x real (non-padding) tokens / step seconds / peak_flops
+    UtilizationMeter: the trainer's per-step bookkeeping of the above (start, count, finish)
 
 torchtitan reports MFU against a GPU's datasheet peak; a CPU has none worth trusting (it depends
 on the cores, the threads torch was given and the matrix shapes), so the peak is measured on the
@@ -49,3 +50,45 @@ def measure_peak_flops(*, hidden: int, intermediate: int, rows: int, dtype: torc
     logger.info("measured peak: %.1f GFLOP/s (%s %dx%dx%d matmul on %s)", peak / 1e9, dtype,
                 rows, hidden, intermediate, device)
     return peak
+
+
+class UtilizationMeter:
+    """One trainer rank's step: ``start`` (forward_backward begins; measures the peak the first
+    time), ``count`` (real tokens of each microbatch), ``finish`` (after the optimizer step)."""
+
+    def __init__(self, *, model_config: object, model: torch.nn.Module, dtype: torch.dtype,
+                 device: torch.device, tensor_parallel_degree: int) -> None:
+        self.model_config = model_config
+        self.model = model
+        self.dtype = dtype
+        self.device = device
+        self.tensor_parallel_degree = tensor_parallel_degree
+        self.peak_flops: float | None = None
+        self.flops_per_token = 0
+        self.num_tokens = 0
+        self._start = 0.0
+
+    def start(self, *, rows: int, seq_len: int) -> None:
+        if self.peak_flops is None:
+            weights = [p for n, p in self.model.named_parameters()
+                       if n.endswith("feed_forward.w1.weight")]
+            intermediate, hidden = weights[0].shape if weights else (1024, 1024)
+            self.peak_flops = measure_peak_flops(
+                hidden=hidden, intermediate=intermediate, rows=rows, dtype=self.dtype,
+                device=self.device)
+            self.flops_per_token = flops_per_token(self.model_config, self.model, seq_len)
+        self.num_tokens = 0
+        self._start = time.perf_counter()
+
+    def count(self, document_ids: torch.Tensor) -> None:
+        """Real tokens of one microbatch (document id -1 is padding)."""
+        self.num_tokens += int((document_ids >= 0).sum())
+
+    def finish(self) -> dict[str, float]:
+        seconds = time.perf_counter() - self._start
+        if not self.peak_flops or seconds <= 0:
+            return {}
+        # A tensor-parallel rank computes 1/tp of every token's FLOPs.
+        flops = self.flops_per_token / self.tensor_parallel_degree * self.num_tokens / seconds
+        return {"trainer/mfu": flops / self.peak_flops, "trainer/tflops": flops / 1e12,
+                "trainer/peak_tflops": self.peak_flops / 1e12}
