@@ -47,6 +47,14 @@ def test_a_broken_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, cap
     assert "step-000004" in warnings[0] and "incomplete" in warnings[0]
     assert "step-000003" in warnings[1] and "corrupt controller checkpoint" in warnings[1]
 
+    # resuming from step 2 sets the unusable newer ones aside (kept, renamed), so this run's
+    # saves of steps 3 and 4 and keep_last never meet them
+    found = _checkpointer(tmp_path).prepare_run_dir()
+    assert found is not None and found[0] == good
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names[0] == "step-000002" and len(names) == 3
+    assert all(n.startswith(("step-000003.unusable-", "step-000004.unusable-")) for n in names[1:])
+
 
 def test_resume_modes(tmp_path):
     assert _checkpointer(tmp_path / "new").prepare_run_dir() is None  # auto, empty folder
@@ -82,7 +90,8 @@ def test_outputs_without_a_checkpoint_are_never_wiped_and_overwrite_moves_them(t
 
 def test_resume_drops_the_killed_runs_records_from_step_logs(tmp_path):
     log = tmp_path / "metrics.jsonl"
-    log.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in (0, 1, 2, 2, 3)))
-    assert truncate_step_log(log, 2) == 3
+    log.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in (0, 1, 2, 2, 3))
+                   + '{"step": 4, "x": "torn mid-wri')  # the killed run's last, half-written line
+    assert truncate_step_log(log, 2) == 4
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [0, 1]
     assert truncate_step_log(tmp_path / "absent.jsonl", 2) == 0

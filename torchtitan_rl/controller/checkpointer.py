@@ -178,11 +178,21 @@ def truncate_step_log(path: pathlib.Path, step: int) -> int:
     if not path.is_file():
         return 0
     lines = path.read_text().splitlines()
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] < step]
+    kept = [line for line in lines if (record := _record(line)) is not None
+            and record["step"] < step]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
     return len(lines) - len(kept)
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    """A JSONL record, or None for a line the killed run tore mid-write (or a blank one)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and "step" in record else None
 
 
 class CheckpointableTrainer(Protocol):
@@ -234,6 +244,7 @@ class Checkpointer(Configurable):
         if mode == "must" and found is None:
             raise ConfigError(f"checkpoint.resume='must': no complete checkpoint in {self.root}")
         if mode != "never" and found is not None:
+            self._set_aside_newer_than(found[1].step)
             return found
         outputs = [name for name in _RUN_OUTPUTS if (self.run_dir / name).exists()]
         if outputs and not self.config.overwrite:
@@ -253,6 +264,16 @@ class Checkpointer(Configurable):
             logger.warning("checkpoint.overwrite: moved the earlier run's outputs to %s", aside)
         return None
 
+    def _set_aside_newer_than(self, step: int) -> None:
+        """Checkpoints newer than the one resumed from could not be used (see
+        latest_complete_checkpoint): renamed ``<dir>.unusable`` (kept, one logged line each), so
+        this run's own saves and keep_last never meet them."""
+        for directory in sorted(self.root.iterdir()):
+            if (m := _STEP_DIR.match(directory.name)) and int(m.group(1)) > step:
+                aside = directory.with_name(f"{directory.name}.unusable-{time.strftime('%H%M%S')}")
+                directory.rename(aside)
+                logger.warning("checkpoint %s could not be used: renamed %s", directory, aside.name)
+
     def forget_steps_from(self, step: int) -> None:
         """Resuming at ``step``: drop every step log's records of steps >= ``step`` (the killed
         run's; they are trained and logged again), so each step appears once."""
@@ -268,15 +289,18 @@ class Checkpointer(Configurable):
 
     async def save(self, trainer: CheckpointableTrainer, state: ControllerState) -> pathlib.Path:
         directory = step_dir(self.root, state.step)
-        directory.mkdir(parents=True, exist_ok=True)
+        if directory.exists():  # a stale one (a step trained again after a resume): never mix
+            shutil.rmtree(directory)
+        directory.mkdir(parents=True)
         await trainer.save_checkpoint(directory / "trainer")
         _fsync_tree(directory / "trainer")
         state.rng_state = capture_rng_state()
         write_controller_state(directory, state)
         logger.info("checkpoint: %s", directory)
         keep = self.config.keep_last
-        if keep:
-            for old in complete_checkpoints(self.root)[:-keep]:
+        if keep:  # the newest `keep` up to this one, by step; nothing newer is touched
+            older = [d for d in complete_checkpoints(self.root) if d.name < directory.name]
+            for old in older[:max(0, len(older) - (keep - 1))]:
                 shutil.rmtree(old)
         return directory
 

@@ -19,13 +19,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from torchtitan_rl.controller.router import GeneratorRouter
 from torchtitan_rl.controller.trainer_client import TrainerClient
-from torchtitan_rl.generator import Generator, GeneratorHandle, spawn_generator
+from torchtitan_rl.generator import (
+    Generator,
+    GeneratorHandle,
+    GeneratorLostError,
+    spawn_generator,
+)
+from torchtitan_rl.generator.launch import is_supervision_error
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 STOP_TIMEOUT_S = 60.0
 SPAWN_TIMEOUT_S = 600.0
@@ -70,9 +79,11 @@ class GeneratorPool:
 
     # ---- weights --------------------------------------------------------------------------------
     async def push_weights(self, version: int) -> dict[str, float]:
-        """The trainer's weights to every serving generator, as policy ``version``."""
+        """The trainer's weights to every serving generator, as policy ``version``; the metrics
+        are the last generator's, with the aborted requests summed over generators."""
         assert self.router is not None
         metrics: dict[str, float] = {}
+        num_aborted = 0
         async with self._push_lock:
             self.policy_version = version
             for index, generator in enumerate(self.handles):
@@ -80,18 +91,20 @@ class GeneratorPool:
                     continue  # its replacement gets this version when it comes up
                 self.router.set_syncing(index, True)
                 try:
-                    metrics = await self.trainer.push_to(generator, version)
-                except Exception:
-                    if generator.lost is None:
+                    metrics = await _until_lost(generator, self.trainer.push_to(generator, version))
+                    if self.abort_on_pull:
+                        # Partial rollouts: running requests return their tokens so far and are
+                        # resumed (prompt + partial) on the new weights (partial_rollout.py).
+                        num_aborted += await _until_lost(generator, generator.abort(None))
+                except Exception as e:
+                    if not (isinstance(e, GeneratorLostError) or is_supervision_error(e)):
                         raise
+                    generator.mark_lost(f"during the push of v{version}: {e}")
                     logger.warning("push v%d to %s failed: it was lost", version, generator.name)
-                    continue
                 finally:
                     self.router.set_syncing(index, False)
-                if self.abort_on_pull:
-                    # Partial rollouts: running requests return their tokens so far and are
-                    # resumed (prompt + partial) entirely on the new weights (partial_rollout.py).
-                    metrics["generator/num_aborted_at_pull"] = float(await generator.abort(None))
+        if self.abort_on_pull:
+            metrics["generator/num_aborted_at_pull"] = float(num_aborted)
         return metrics
 
     # ---- loss and replacement -------------------------------------------------------------------
@@ -114,7 +127,7 @@ class GeneratorPool:
         handle.mark_lost(reason)  # reports back through _on_handle_lost
 
     def _on_handle_lost(self, handle: GeneratorHandle, reason: str) -> None:
-        if handle not in self.handles:
+        if self._closing or handle not in self.handles:
             return  # a handle replaced already
         index = self.handles.index(handle)
         if index in self._replacing:
@@ -136,6 +149,7 @@ class GeneratorPool:
         start = time.perf_counter()
         old = self.handles[index]
         name = f"generator_{index}_r{self.num_restarts[index]}"
+        new: GeneratorHandle | None = None
         try:
             self.retired_names.add(old.name)
             try:
@@ -147,11 +161,18 @@ class GeneratorPool:
                 new = await asyncio.wait_for(spawn_generator(
                     self.configs[index], name=name, on_lost=self._on_handle_lost),
                     SPAWN_TIMEOUT_S)
+                async with self._push_lock:  # not while the loop pushes: one version, once
+                    if self.policy_version > 0:  # else it serves model_dir: version 0 already
+                        await _until_lost(new, self.trainer.push_to(new, self.policy_version))
+                    self.handles[index] = new
+            except BaseException:
+                if new is not None and self.handles[index] is not new:  # spawned, not serving
+                    await asyncio.gather(new.close(timeout_s=STOP_TIMEOUT_S),
+                                         return_exceptions=True)
+                raise
             finally:
                 self._spawning_names.discard(name)
-            self.handles[index] = new
-            async with self._push_lock:
-                await self.trainer.push_to(new, self.policy_version)
+            assert new is not None
             self.router.put_back(index, new)
         except Exception as e:
             logger.warning("replacing %s failed", old.name, exc_info=True)
@@ -193,3 +214,18 @@ class GeneratorPool:
                                                                     asyncio.CancelledError):
                 logger.warning("shutdown: %r", result)
 
+
+
+async def _until_lost(generator: GeneratorHandle, call: Awaitable[T]) -> T:
+    """Await ``call`` unless ``generator`` is lost first: then GeneratorLostError, without
+    waiting for a reply that may never come from the dead actor (monarch#3435)."""
+    task = asyncio.ensure_future(call)
+    lost = asyncio.ensure_future(generator.lost_event.wait())
+    try:
+        await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        lost.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise GeneratorLostError(f"{generator.name} was lost: {generator.lost}")

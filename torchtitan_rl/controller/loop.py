@@ -124,6 +124,8 @@ class TrainingLoop(Configurable):
         await self._restore_groups()
         self.idle_ratios.restart()
         producer = asyncio.create_task(self._produce(), name="rollout-producer")
+        self._tasks.add(producer)  # a producer that fails fails the run, as a rollout does
+        producer.add_done_callback(self._on_task_done)
         try:
             while self.state.step < self.config.num_steps:
                 await self._train_step(self.state.step)
@@ -157,10 +159,12 @@ class TrainingLoop(Configurable):
     async def _rollout(self, group_id: int, admit_version: int) -> None:
         parts = self.parts
         episode = self.train_episodes[parts.cursor.prompt_index(group_id)]
+        attempt = 0
         while True:
             try:
                 group = await parts.rollouter.run_group_rollouts(
-                    parts.generate_fn, episode, group_id, parts.group_size, parts.sampling)
+                    parts.generate_fn, episode, group_id, parts.group_size, parts.sampling,
+                    attempt=attempt)
                 break
             except GeneratorLostError as e:
                 # Whole, from its prompt, with the same group id (same request seeds), exactly
@@ -170,6 +174,7 @@ class TrainingLoop(Configurable):
                 if asyncio.current_task().cancelling():  # type: ignore[union-attr]
                     raise asyncio.CancelledError from e
                 self.num_groups_restarted += 1
+                attempt += 1
                 logger.warning("group %d restarts from its prompt: %s", group_id, e)
         self.num_finished += 1
         self.num_dropped += group.dropped
@@ -262,13 +267,16 @@ class TrainingLoop(Configurable):
     async def _take(self, step: int) -> list[tuple[int, int, _GroupResult]]:
         """The gate's groups for ``step``; a failed rollout task (a dead generator) fails the run."""
         take = asyncio.create_task(self.gate.take_step_groups(step))
-        while True:
-            if self._failure is not None:
-                take.cancel()
-                raise RunFailedError(f"a rollout group failed: {self._failure}") from self._failure
-            await asyncio.wait({take, *self._tasks}, return_when=asyncio.FIRST_COMPLETED)
-            if take.done():
-                return take.result()
+        try:
+            while True:
+                if self._failure is not None:
+                    raise RunFailedError("a rollout group failed: " + " ".join(
+                        str(self._failure).split())) from self._failure
+                await asyncio.wait({take, *self._tasks}, return_when=asyncio.FIRST_COMPLETED)
+                if take.done():
+                    return take.result()
+        finally:
+            take.cancel()
 
     @staticmethod
     def _rollout_metrics(groups: list[RolloutGroup],

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torchtitan_rl.controller.checkpointer import Checkpointer
 from torchtitan_rl.controller.data_cursor import DataCursor
@@ -29,13 +29,16 @@ from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.task import Task
 from torchtitan_rl.types import Sampling
 
+if TYPE_CHECKING:  # transformers is heavy to import; only its type is named here
+    from transformers import PreTrainedTokenizerBase
+
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class RunParts:
     task: Task
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     """The model's HF tokenizer (decoding rollouts for the recorder)."""
     cursor: DataCursor
     rollouter: Rollouter

@@ -10,7 +10,7 @@
         task, tokenizer, cursor, rollouter, validator, metrics, recorder
     -> RunParts (controller/parts.py)
 
-The only module of the controller that touches Monarch's meshes directly.
+Where the run's meshes are spawned (GeneratorPool spawns and replaces the generators).
 """
 
 from __future__ import annotations
@@ -49,6 +49,12 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
     run_dir = pathlib.Path(plan.run_dir)
     model_dir = pathlib.Path(plan.model_dir)
     partial_rollouts = plan.loop.partial_rollout == "abort"
+    # What can fail on bad input is built before any mesh exists (nothing to clean up then).
+    task = plan.task.build()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rollouter = plan.rollouter.build(tokenizer=tokenizer, make_env=task.make_env)
+    validator = plan.validation.build(rollouter=rollouter, dataset=task.dataset("validation"))
+    cursor = DataCursor(num_prompts=len(task.dataset("train")), seed=plan.seed)
     ranks: TrainerRanks | None = None
     trainer_procs = None
     pool: GeneratorPool | None = None
@@ -73,20 +79,17 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
             await trainer_procs.stop()
         raise
     inner: GenerateFn = ResumingGenerateFn(router) if partial_rollouts else router
-    task = plan.task.build()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rollouter = plan.rollouter.build(tokenizer=tokenizer, make_env=task.make_env)
     return RunParts(
         task=task,
         tokenizer=tokenizer,
-        cursor=DataCursor(num_prompts=len(task.dataset("train")), seed=plan.seed),
+        cursor=cursor,
         rollouter=rollouter,
         group_size=plan.rollouter.group_size,
         sampling=plan.sampling,
         generate_fn=BusyGenerateFn(inner),
         generators=pool,
         trainer=trainer,
-        validator=plan.validation.build(rollouter=rollouter, dataset=task.dataset("validation")),
+        validator=validator,
         checkpointer=checkpointer,
         metrics=plan.metrics.build(run_dir=run_dir, purge_step=resume_step),
         recorder=plan.recorder.build(run_dir=run_dir),

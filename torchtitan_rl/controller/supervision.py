@@ -7,8 +7,8 @@
            a generator's mesh            -> pool.lost(i): replaced, the run goes on
            a replaced generator's mesh   -> ignored (late events of a mesh already gone; a
                                             replacement that fails to spawn fails the spawn)
-           a proc's internal logger mesh -> ignored (it dies with every proc; the actor mesh on
-                                            that proc reports the same death)
+           Monarch's own meshes on a proc -> ignored (its logger, torch elastic set-up: they die
+                                            with the proc, whose actor mesh reports the death)
            anything else (the trainer)   -> the run is cancelled -> RunFailedError(summary)
 
 Monarch's default hook exits the controller with a KeyboardInterrupt (no summary, no cleanup of
@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 class RunFailedError(RuntimeError):
     """The run cannot go on (an actor proc died, a rollout group failed)."""
+
+
+_COMPANION_MESHES = ("logger-", "_SPMDActor")
+"""Meshes Monarch spawns beside ours on the same procs (logging; setup_torch_elastic_env)."""
 
 
 class ReplacesGenerators(Protocol):
@@ -91,7 +95,8 @@ class MeshFailureWatch:
 
     def _dispatch(self, mesh_name: str, report: str) -> None:
         pool = self.generators
-        if mesh_name.startswith("logger-") or (pool is not None and pool.ignores(mesh_name)):
+        if mesh_name.startswith(_COMPANION_MESHES) or (pool is not None
+                                                        and pool.ignores(mesh_name)):
             logger.info("actor mesh failure (no action): %s", report)
             return
         index = pool.index_of_mesh(mesh_name) if pool is not None else None

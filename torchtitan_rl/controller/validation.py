@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import math
 import statistics
@@ -74,18 +75,24 @@ class Validator(Configurable):
         sampling = dataclasses.replace(sampling, temperature=cfg.temperature)
 
         async def run_group(i: int) -> RolloutGroup:
-            while True:
+            for attempt in itertools.count():
                 try:
                     return await self.rollouter.run_group_rollouts(
                         generate_fn, self.dataset[i], VALIDATION_GROUP_OFFSET + i,
-                        cfg.samples_per_prompt, sampling,
+                        cfg.samples_per_prompt, sampling, attempt=attempt,
                     )
                 except GeneratorLostError as e:  # restarted whole, as training groups are
                     if asyncio.current_task().cancelling():  # type: ignore[union-attr]
                         raise asyncio.CancelledError from e  # the run is ending (see loop.py)
                     logger.warning("validation group %d restarts: %s", i, e)
+            raise AssertionError("unreachable")
 
-        groups: list[RolloutGroup] = await asyncio.gather(*(run_group(i) for i in range(num)))
+        try:
+            async with asyncio.TaskGroup() as tasks:  # one failing group stops its siblings
+                running = [tasks.create_task(run_group(i)) for i in range(num)]
+        except ExceptionGroup as group_error:
+            raise group_error.exceptions[0] from None  # the cause, not a wrapper
+        groups = [task.result() for task in running]
         rewards = [r for g in groups for r in g.rewards]
         mean = statistics.fmean(rewards) if rewards else float("nan")
         stderr = statistics.stdev(rewards) / math.sqrt(len(rewards)) if len(rewards) > 1 else 0.0

@@ -65,6 +65,8 @@ class GeneratorHandle:
         self.on_lost = on_lost
         self.lost: str | None = None
         """Why the generator was lost (None while it serves)."""
+        self.lost_event = asyncio.Event()
+        """Set when the generator is lost: calls other than generate() race against it."""
         self._outstanding: set[asyncio.Future[Completion | None]] = set()
 
     def generate(self, request: GenerateRequest) -> asyncio.Future[Completion | None]:
@@ -76,6 +78,14 @@ class GeneratorHandle:
         call = asyncio.ensure_future(self.rank0.generate.call_one(request))
         self._outstanding.add(result)
         result.add_done_callback(self._outstanding.discard)
+
+        def abort_if_cancelled(done: asyncio.Future[Completion | None]) -> None:
+            # The caller gave up (its group failed elsewhere): free the engine slot rather than
+            # generate for nobody. Sent after the generate message, so rank 0 finds it.
+            if done.cancelled() and self.lost is None:
+                self.rank0.abort.call_one([request.request_id])
+
+        result.add_done_callback(abort_if_cancelled)
 
         def settle(done: asyncio.Future[Completion | None]) -> None:
             error = None if done.cancelled() else done.exception()
@@ -98,6 +108,7 @@ class GeneratorHandle:
         if self.lost is not None:
             return
         self.lost = reason
+        self.lost_event.set()
         logger.warning("%s lost: %s", self.name, reason)
         for future in list(self._outstanding):
             if not future.done():

@@ -113,10 +113,15 @@ class Rollouter(Configurable):
         group_id: int,
         group_size: int | None = None,
         sampling: Sampling | None = None,
+        *,
+        attempt: int = 0,
     ) -> RolloutGroup:
         """Roll out ``group_size`` siblings of ``episode`` concurrently, score them, and fill their
         advantages. ``sampling`` applies to every request (seed and max_tokens are set per request).
-        Raises what generate_fn raised (the siblings are cancelled and their envs closed)."""
+        Raises what generate_fn raised (the siblings are cancelled and their envs closed).
+        ``attempt`` > 0: a restart of the group (its generator was lost); its request ids carry
+        ``/attempt=N`` so they never meet a cancelled sibling's request still in an engine, and
+        its seeds stay the same."""
         size = self.config.group_size if group_size is None else group_size
         if size < 1:
             raise ValueError(f"group_size must be >= 1, got {size}")
@@ -126,7 +131,7 @@ class Rollouter(Configurable):
                 futures = [
                     tasks.create_task(self.run_single_rollout(
                         generate_fn, episode, group_id=group_id, rollout_index=i,
-                        sampling=sampling,
+                        sampling=sampling, attempt=attempt,
                     ))
                     for i in range(size)
                 ]
@@ -150,6 +155,7 @@ class Rollouter(Configurable):
         group_id: int,
         rollout_index: int,
         sampling: Sampling,
+        attempt: int = 0,
     ) -> Rollout:
         """One rollout, scored; its advantage stays None (group-relative, see run_group_rollouts)."""
         rollout = Rollout(group_id=group_id, rollout_index=rollout_index,
@@ -165,7 +171,7 @@ class Rollouter(Configurable):
                        max_rollout_tokens=self.config.max_rollout_tokens,
                        step_timeout_s=self.config.step_timeout_s)
         try:
-            await self._drive(env, generate_fn, rollout, sampling)
+            await self._drive(env, generate_fn, rollout, sampling, attempt)
         finally:
             await env.close()
         self._score(message_env, rollout)
@@ -174,7 +180,8 @@ class Rollouter(Configurable):
     # ---- helpers ----
 
     async def _drive(
-        self, env: TokenEnv, generate_fn: GenerateFn, rollout: Rollout, sampling: Sampling
+        self, env: TokenEnv, generate_fn: GenerateFn, rollout: Rollout, sampling: Sampling,
+        attempt: int = 0,
     ) -> None:
         """Alternate generate and env steps until a terminal status; fills rollout in place."""
         step = await env.reset()
@@ -184,6 +191,8 @@ class Rollouter(Configurable):
             assert prompt_ids is not None
             turn_index = len(rollout.turns)
             rid = request_id(rollout.group_id, rollout.rollout_index, turn_index)
+            if attempt:
+                rid += f"/attempt={attempt}"
             per_request = dataclasses.replace(
                 sampling,
                 max_tokens=env.max_new_tokens(sampling.max_tokens),

@@ -10,8 +10,10 @@
     controller -save_checkpoint(path, extra) / load_checkpoint(path) / export_hf(path)-> every rank
     controller -compute_logprobs(batch)-> every rank -> [mb, dp, rows, seq_len] logprobs
 
-Endpoints are async (Monarch refuses to mix sync and async endpoints on one actor) but run their
-compute inline: one message at a time, in call order.
+Endpoints are concurrent (async) but run their compute inline, without awaiting: one message at
+a time, in call order, since the controller awaits each call before the next. The exception is
+a push to a generator that dies mid-push: its await may never end (monarch#3435); the controller
+gives up on it (the generator is replaced) and the trainer serves the next calls meanwhile.
 
 Invariants: every endpoint is called on the whole mesh (``.call``), since each runs collectives;
 every rank returns the same metrics (reduced over data-parallel ranks). The controller sends the
@@ -31,7 +33,7 @@ import time
 from typing import Any, Literal
 
 import torch
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, concurrent_endpoint
 
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.console import configure_process_logging
@@ -63,36 +65,36 @@ class PolicyTrainer(Actor, Configurable):
         self.weight_transport = config.weight_transport
         self.pusher = WeightPusher(model_config=self.core.model_config)
 
-    @endpoint
+    @concurrent_endpoint
     async def get_dp_size(self) -> int:
         """Data-parallel size: the batcher's ``dp_size``."""
         return self.core.dp_size
 
-    @endpoint
+    @concurrent_endpoint
     async def get_policy_version(self) -> int:
         """Optimizer steps taken: the policy version of the current weights."""
         return self.core.policy_version
 
-    @endpoint
+    @concurrent_endpoint
     async def forward_backward(self, batch: TrainingBatch) -> dict[str, float]:
         return self.core.forward_backward(batch)
 
-    @endpoint
+    @concurrent_endpoint
     async def optim_step(self) -> dict[str, float]:
         metrics = self.core.optim_step()
         maybe_kill("kill_trainer_after_steps", self.core.policy_version)
         return metrics
 
-    @endpoint
+    @concurrent_endpoint
     async def compute_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
         return self.core.compute_logprobs(batch)
 
-    @endpoint
+    @concurrent_endpoint
     async def read_model_state_dict(self) -> dict[str, torch.Tensor]:
         """torchtitan-named plain full tensors (collective over the trainer ranks)."""
         return self.core.full_model_state_dict()
 
-    @endpoint
+    @concurrent_endpoint
     async def push_weights(
         self,
         generators: Any,
@@ -127,15 +129,15 @@ class PolicyTrainer(Actor, Configurable):
         logger.warning("undeliverable message (a lost generator?): %s", message.error_msg())
         return True
 
-    @endpoint
+    @concurrent_endpoint
     async def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
         self.core.save_checkpoint(path, extra)
 
-    @endpoint
+    @concurrent_endpoint
     async def load_checkpoint(self, path: str) -> dict[str, Any]:
         return self.core.load_checkpoint(path)
 
-    @endpoint
+    @concurrent_endpoint
     async def export_hf(self, path: str, dtype: str = "") -> None:
         self.core.export_hf(path, dtype)
 
