@@ -178,6 +178,7 @@ class RLJob(Configurable):
                        "resumed_in_flight_groups": len(state.in_flight)}
         logger.info("run folder: %s", run_dir.resolve())
         _make_model(plan)
+        _dump_tasks_on_sigusr1()
         with MeshFailureWatch() as watch:
             parts = await build_parts(
                 plan, checkpointer=checkpointer, spawn_trainer_ranks=spawn_trainer_ranks,
@@ -229,6 +230,16 @@ class RLJob(Configurable):
         if plan.checkpoint.export_hf:
             await parts.trainer.export_hf(run_dir / "hf")
         _plot(state, run_dir)
+
+
+def _dump_tasks_on_sigusr1() -> None:
+    """``kill -USR1 <controller pid>`` logs where every task of the run waits (a stuck run)."""
+    import signal
+
+    from torchtitan_rl.controller.supervision import task_stacks
+
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGUSR1, lambda: logger.warning("where the run waits:\n%s", task_stacks()))
 
 
 def _warm_start_fingerprint(task: TaskConfig) -> str:

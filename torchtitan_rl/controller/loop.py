@@ -115,6 +115,7 @@ class TrainingLoop(Configurable):
         self.num_groups_restarted = 0
         self._tasks: set[asyncio.Task] = set()
         self._failure: BaseException | None = None
+        self._stopping = False
 
     async def run(self) -> None:
         """Validate before (unless resumed past it), train to num_steps, validate after."""
@@ -130,10 +131,10 @@ class TrainingLoop(Configurable):
             while self.state.step < self.config.num_steps:
                 await self._train_step(self.state.step)
         finally:
-            producer.cancel()
-            for task in list(self._tasks):
+            self._stopping = True
+            for task in list(self._tasks):  # the producer is one of them
                 task.cancel()
-            await asyncio.gather(producer, *self._tasks, return_exceptions=True)
+            await asyncio.gather(*self._tasks, return_exceptions=True)
         history = self.state.validation_history
         if validator.enabled and (not history or history[-1][0] != self.state.step):
             await self.validate(self.state.step)
@@ -168,10 +169,11 @@ class TrainingLoop(Configurable):
                 break
             except GeneratorLostError as e:
                 # Whole, from its prompt, with the same group id (same request seeds), exactly
-                # as a resumed run restarts its in-flight groups; unless this task is being
-                # cancelled (the run is ending): the rollouts' TaskGroup may have consumed the
-                # CancelledError while it failed with the generator's error.
-                if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                # as a resumed run restarts its in-flight groups; unless the run is stopping: the
+                # rollouts' TaskGroup may have consumed our CancelledError while it failed with
+                # the generator's error (Task.cancelling() cannot tell: a TaskGroup that fails
+                # leaves it raised).
+                if self._stopping:
                     raise asyncio.CancelledError from e
                 self.num_groups_restarted += 1
                 attempt += 1

@@ -119,7 +119,7 @@ class MeshFailureWatch:
                 await asyncio.wait({task}, timeout=self.cancel_grace_s)
                 if not task.done():
                     logger.warning("the run did not stop within %.0f s of being cancelled: %s",
-                                   self.cancel_grace_s, _stacks())
+                                   self.cancel_grace_s, task_stacks())
         if task.done() and not task.cancelled():
             return task.result()
         raise RunFailedError(self.summary())
@@ -131,11 +131,11 @@ class MeshFailureWatch:
         return f"actor mesh failure: {(ours or self.failures or ['unknown'])[0]}"
 
 
-def _stacks() -> str:
+def task_stacks() -> str:
     """Where every task of the event loop waits (why a cancelled run does not stop)."""
     import io
 
     out = io.StringIO()
     for task in asyncio.all_tasks():
-        task.print_stack(limit=6, file=out)
+        task.print_stack(limit=12, file=out)
     return out.getvalue()

@@ -82,8 +82,6 @@ class Validator(Configurable):
                         cfg.samples_per_prompt, sampling, attempt=attempt,
                     )
                 except GeneratorLostError as e:  # restarted whole, as training groups are
-                    if asyncio.current_task().cancelling():  # type: ignore[union-attr]
-                        raise asyncio.CancelledError from e  # the run is ending (see loop.py)
                     logger.warning("validation group %d restarts: %s", i, e)
             raise AssertionError("unreachable")
 
