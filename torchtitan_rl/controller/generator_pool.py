@@ -87,7 +87,7 @@ class GeneratorPool:
         async with self._push_lock:
             self.policy_version = version
             for index, generator in enumerate(self.handles):
-                if generator.lost is not None:
+                if generator.lost_reason is not None:
                     continue  # its replacement gets this version when it comes up
                 self.router.set_syncing(index, True)
                 try:
@@ -121,7 +121,7 @@ class GeneratorPool:
         still being spawned (its failure fails the spawn, which ``_replace`` handles)."""
         return mesh_name.rsplit("-", 1)[0] in self.retired_names | self._spawning_names
 
-    def lost(self, index: int, reason: str) -> None:
+    def mark_lost(self, index: int, reason: str) -> None:
         """Generator ``index`` died: take it out, fail its calls, replace it (once)."""
         handle = self.handles[index]
         handle.mark_lost(reason)  # reports back through _on_handle_lost
@@ -228,4 +228,4 @@ async def _until_lost(generator: GeneratorHandle, call: Awaitable[T]) -> T:
     if task.done():
         return task.result()
     task.cancel()
-    raise GeneratorLostError(f"{generator.name} was lost: {generator.lost}")
+    raise GeneratorLostError(f"{generator.name} was lost: {generator.lost_reason}")

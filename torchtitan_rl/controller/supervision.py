@@ -4,7 +4,7 @@
          -> await watch.run_until_failure(the run)
     a proc dies -> Monarch calls unhandled_fault_hook(failure) (on its own thread)
         -> the controller's event loop: _dispatch(mesh name, report)
-           a generator's mesh            -> pool.lost(i): replaced, the run goes on
+           a generator's mesh            -> pool.mark_lost(i): replaced, the run goes on
            a replaced generator's mesh   -> ignored (late events of a mesh already gone; a
                                             replacement that fails to spawn fails the spawn)
            Monarch's own meshes on a proc -> ignored (its logger, torch elastic set-up: they die
@@ -44,7 +44,7 @@ class ReplacesGenerators(Protocol):
 
     def index_of_mesh(self, mesh_name: str) -> int | None: ...
     def ignores(self, mesh_name: str) -> bool: ...
-    def lost(self, index: int, reason: str) -> None: ...
+    def mark_lost(self, index: int, reason: str) -> None: ...
 
 
 class MeshFailureWatch:
@@ -102,7 +102,7 @@ class MeshFailureWatch:
         index = pool.index_of_mesh(mesh_name) if pool is not None else None
         if index is not None:
             assert pool is not None
-            pool.lost(index, report)
+            pool.mark_lost(index, report)
             return
         self.fail(report)
 

@@ -63,7 +63,7 @@ class GeneratorHandle:
         """The actor mesh's spawn name (Monarch's failure reports name it ``<name>-<suffix>``)."""
         self.pids = pids or []
         self.on_lost = on_lost
-        self.lost: str | None = None
+        self.lost_reason: str | None = None
         """Why the generator was lost (None while it serves)."""
         self.lost_event = asyncio.Event()
         """Set when the generator is lost: calls other than generate() race against it."""
@@ -72,8 +72,8 @@ class GeneratorHandle:
     def generate(self, request: GenerateRequest) -> asyncio.Future[Completion | None]:
         """Rank 0 generates one completion (the message is sent now; await the future)."""
         result: asyncio.Future[Completion | None] = asyncio.get_running_loop().create_future()
-        if self.lost is not None:
-            result.set_exception(GeneratorLostError(f"{self.name} was lost: {self.lost}"))
+        if self.lost_reason is not None:
+            result.set_exception(GeneratorLostError(f"{self.name} was lost: {self.lost_reason}"))
             return result
         call = asyncio.ensure_future(self.rank0.generate.call_one(request))
         self._outstanding.add(result)
@@ -82,7 +82,7 @@ class GeneratorHandle:
         def abort_if_cancelled(done: asyncio.Future[Completion | None]) -> None:
             # The caller gave up (its group failed elsewhere): free the engine slot rather than
             # generate for nobody. Sent after the generate message, so rank 0 finds it.
-            if done.cancelled() and self.lost is None:
+            if done.cancelled() and self.lost_reason is None:
                 self.rank0.abort.call_one([request.request_id])
 
         result.add_done_callback(abort_if_cancelled)
@@ -105,9 +105,9 @@ class GeneratorHandle:
 
     def mark_lost(self, reason: str) -> None:
         """Fail every outstanding generate() with GeneratorLostError now; report the loss once."""
-        if self.lost is not None:
+        if self.lost_reason is not None:
             return
-        self.lost = reason
+        self.lost_reason = reason
         self.lost_event.set()
         logger.warning("%s lost: %s", self.name, reason)
         for future in list(self._outstanding):
@@ -152,7 +152,7 @@ class GeneratorHandle:
         request finished"; then stop the procs. A lost generator's procs are only stopped. Every
         wait is bounded by ``timeout_s``."""
         try:
-            if self.lost is None:
+            if self.lost_reason is None:
                 await asyncio.wait_for(self.actors.close.call(), timeout_s)
                 if self._outstanding:
                     await asyncio.wait(set(self._outstanding), timeout=timeout_s)
