@@ -215,7 +215,6 @@ class GeneratorPool:
                 logger.warning("shutdown: %r", result)
 
 
-
 async def _until_lost(generator: GeneratorHandle, call: Awaitable[T]) -> T:
     """Await ``call`` unless ``generator`` is lost first: then GeneratorLostError, without
     waiting for a reply that may never come from the dead actor (monarch#3435)."""
