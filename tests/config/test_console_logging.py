@@ -41,7 +41,10 @@ def _emit() -> None:
         "validation step=0 reward=0.5000 +- 0.0100 (8 rollouts)", extra=console.CONSOLE)
     logging.getLogger("torchtitan_rl.controller.loop").warning("group 3 restarts")
     logging.getLogger("torchtitan_rl.train").error("traceback here", extra={"console": False})
-    logging.getLogger("vllm.engine").warning("an upstream warning")
+    # An upstream library's warning (not vllm's logger here: once another test imported vllm,
+    # vllm's own logging config stops its records from propagating to the root logger; in a
+    # run, vLLM lives in the generator procs, whose stderr is the log file).
+    logging.getLogger("an_upstream_library").warning("an upstream warning")
     logging.getLogger("torchtitan_rl.x").debug("a debug line")
 
 
