@@ -35,10 +35,10 @@ class RecordingRollouter:
         self.groups: dict[int, RolloutGroup] = {}
 
     async def run_group_rollouts(self, generate_fn: Any, episode: Any, group_id: int,
-                                 group_size: int | None = None,
-                                 sampling: Any = None) -> RolloutGroup:
+                                 group_size: int | None = None, sampling: Any = None, *,
+                                 attempt: int = 0) -> RolloutGroup:
         group = await self.inner.run_group_rollouts(generate_fn, episode, group_id, group_size,
-                                                    sampling)
+                                                    sampling, attempt=attempt)
         self.groups[group_id] = group
         return group
 
