@@ -29,6 +29,7 @@ sys.path.insert(0, str(HERE.parent))
 from torchtitan_rl.config.manager import parse_args  # noqa: E402
 from torchtitan_rl.controller.job import RLJob  # noqa: E402
 from torchtitan_rl.trainer.batcher import Batcher  # noqa: E402
+from torchtitan_rl.trainer.core import PolicyTrainerCore  # noqa: E402
 from torchtitan_rl.types import TrainingSample  # noqa: E402
 
 logger = logging.getLogger("bench.train_mfu")
@@ -46,8 +47,10 @@ def job_samples(job: RLJob.Config, model_dir: str, num: int) -> list[TrainingSam
     group_size = job.rollouter.group_size
     for i in range(num):
         conversation = task.solved_conversation(train[i // group_size])
-        prompt = tokenizer.apply_chat_template(conversation[:-1], add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(conversation)
+        prompt = tokenizer.encode(tokenizer.apply_chat_template(
+            conversation[:-1], add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+        full = tokenizer.encode(tokenizer.apply_chat_template(conversation, tokenize=False),
+                                add_special_tokens=False)
         n, p = len(full), len(prompt)
         samples.append(TrainingSample(
             sample_id=f"group={i // group_size}/rollout={i % group_size}/branch=0",
@@ -86,7 +89,7 @@ def main() -> None:
     job = parse_args(RLJob.Config, ["--config", args.config, "--warm_start.enabled", "false"]).config
     plan = RLJob(job).resolve()
     samples = job_samples(job, plan.model_dir, job.loop.groups_per_step * job.rollouter.group_size)
-    core = plan.trainer.build(model_dir=plan.model_dir)
+    core = PolicyTrainerCore(plan.trainer, model_dir=plan.model_dir)  # the actor's core, here
     own = plan.batcher
     longest = max(s.num_tokens for s in samples)
     variants = {"job": own}
