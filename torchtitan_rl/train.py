@@ -51,17 +51,12 @@ def main(config: RLJob.Config) -> dict[str, Any]:
 
 def cli(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    from torchtitan_rl.config.help import help_text, wants_help
+    from torchtitan_rl.config.help import print_help, wants_help
 
     if wants_help(argv):  # before importing the job: the help reads the options from source
         from torchtitan_rl.config.manager import GLOBAL_OPTIONS
 
-        try:
-            sys.stdout.write(help_text(argv, usage=USAGE, description=DESCRIPTION,
-                                       global_options=GLOBAL_OPTIONS))
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+        print_help(argv, usage=USAGE, description=DESCRIPTION, global_options=GLOBAL_OPTIONS)
         return
     from torchtitan_rl.config.manager import config_to_toml, log_level, parse_args
     from torchtitan_rl.controller.job import RLJob

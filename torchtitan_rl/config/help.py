@@ -261,6 +261,22 @@ def _entry(head: str, doc: str, width: int) -> list[str]:
     return out
 
 
+def print_help(argv: list[str], *, usage: str, description: str,
+               global_options: Iterable[tuple[str, str]]) -> None:
+    """Write the help for ``argv`` to stdout; a bad TOML file is one ``error:`` line, exit 2 (the
+    command lines of train and eval)."""
+    import sys
+
+    from torchtitan_rl.config.errors import ConfigError
+
+    try:
+        sys.stdout.write(help_text(argv, usage=usage, description=description,
+                                   global_options=global_options))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def help_text(argv: list[str], *, usage: str, description: str,
               global_options: Iterable[tuple[str, str]], root: str = ROOT_CONFIG) -> str:
     """The help for ``argv``: its ``--config`` TOML's values beside the defaults, and the options

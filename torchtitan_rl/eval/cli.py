@@ -42,17 +42,12 @@ class _Parser(argparse.ArgumentParser):
 
 def cli(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    from torchtitan_rl.config.help import help_text, wants_help
+    from torchtitan_rl.config.help import print_help, wants_help
     from torchtitan_rl.config.manager import GLOBAL_OPTIONS
 
     if wants_help(argv):  # fast: read from source, nothing imported
         options = EVAL_OPTIONS + [o for o in GLOBAL_OPTIONS if "print-" not in o[0]]
-        try:
-            sys.stdout.write(help_text(argv, usage=USAGE, description=DESCRIPTION,
-                                       global_options=options))
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+        print_help(argv, usage=USAGE, description=DESCRIPTION, global_options=options)
         return
     parser = _Parser(add_help=False, allow_abbrev=False)
     parser.add_argument("--model")
