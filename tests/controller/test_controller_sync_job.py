@@ -87,7 +87,7 @@ def _config(*argv: str) -> RLJob.Config:
 
 @pytest.mark.parametrize("argv, message", [
     (["--generator.tensor_parallel_degree", "4"],
-     "generator.tensor_parallel_degree=4 must divide the model's attention heads (2) and kv heads (1)"),
+     "generator.tensor_parallel_degree=4 must divide the model's attention heads (2) and either"),
     (["--trainer.tensor_parallel_degree", "2", "--num_trainer_ranks", "2"],
      "trainer.tensor_parallel_degree=2 must divide the model's attention heads (2) and kv heads (1)"),
     (["--num_trainer_ranks", "3", "--trainer.data_parallel_shard_degree", "2"],

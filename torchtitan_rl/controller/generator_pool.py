@@ -1,7 +1,9 @@
 """The run's generators: spawned, routed, given new weights, and replaced when one is lost.
 
-    spawn:   plan.generators[i] -> spawn_generator(name="generator_i") -> GeneratorHandle; a
-             GeneratorRouter over them is the GenerateFn the rollouts call
+    spawn:   plan.generators[i] -> spawn_generator(name="generator_i", host=its placement host)
+             -> GeneratorHandle; its weight transport (shared memory on the trainer's machine,
+             else the message; logged once); a GeneratorRouter over them is the GenerateFn the
+             rollouts call
     push_weights(version): one generator at a time (the router keeps new sessions off it):
              trainer.push_to(generator, version); with partial rollouts, abort its running requests
     loss:    a handle's call fails with Monarch's supervision error, or Monarch's fault hook names
@@ -22,6 +24,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.controller.placement import RunHosts
 from torchtitan_rl.controller.router import GeneratorRouter
 from torchtitan_rl.controller.trainer_client import TrainerClient
 from torchtitan_rl.generator import (
@@ -31,6 +35,7 @@ from torchtitan_rl.generator import (
     spawn_generator,
 )
 from torchtitan_rl.generator.launch import is_supervision_error
+from torchtitan_rl.weight_sync import WeightTransport
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +47,18 @@ SPAWN_TIMEOUT_S = 600.0
 
 class GeneratorPool:
     def __init__(self, configs: list[Generator.Config], router_config: GeneratorRouter.Config, *,
-                 trainer: TrainerClient, abort_on_pull: bool, policy_version: int,
+                 trainer: TrainerClient, hosts: RunHosts, weight_transport: str,
+                 abort_on_pull: bool, policy_version: int,
                  on_fatal: Callable[[str], None]) -> None:
-        """``policy_version``: the version the generators start with (the trainer's weights);
-        ``on_fatal``: how a failed replacement fails the run (supervision.MeshFailureWatch)."""
+        """``hosts``: where each generator lives (placement.py); ``weight_transport``: the
+        trainer's setting (auto | message | shared_memory); ``policy_version``: the version the
+        generators start with (the trainer's weights); ``on_fatal``: how a failed replacement
+        fails the run (supervision.MeshFailureWatch)."""
         self.configs = configs
         self.router_config = router_config
         self.trainer = trainer
+        self.hosts = hosts
+        self.weight_transport = weight_transport
         self.abort_on_pull = abort_on_pull
         self.policy_version = policy_version
         self.on_fatal = on_fatal
@@ -64,18 +74,42 @@ class GeneratorPool:
         self._replacing: dict[int, asyncio.Task[None]] = {}
         self._spawning_names: set[str] = set()
         self._closing = False
+        self._push_reported: set[int] = set()
 
     async def spawn(self) -> GeneratorRouter:
         """Spawn every generator; returns the router over them."""
         try:
             for index, config in enumerate(self.configs):
-                self.handles.append(await spawn_generator(
-                    config, name=f"generator_{index}", on_lost=self._on_handle_lost))
+                self.handles.append(await self._spawn(index, f"generator_{index}"))
         except BaseException:
             await self.close()
             raise
         self.router = self.router_config.build(generators=list(self.handles))
         return self.router
+
+    async def _spawn(self, index: int, name: str) -> GeneratorHandle:
+        """Generator ``index`` on its host, with its weight transport chosen."""
+        handle = await spawn_generator(self.configs[index], name=name,
+                                       host=self.hosts.generator_host(index),
+                                       on_lost=self._on_handle_lost)
+        handle.weight_transport, why = self._transport_for(handle)
+        if name == f"generator_{index}":  # once: a replacement lives where its first one did
+            logger.info("%s: weight pushes by %s (%s)", name, handle.weight_transport, why)
+        return handle
+
+    def _transport_for(self, handle: GeneratorHandle) -> tuple[WeightTransport, str]:
+        same_machine = (handle.machine_id == self.trainer.ranks.machine_id
+                        and not self.hosts.separate_machines)
+        where = ("on the trainer's machine" if same_machine else
+                 f"{handle.machine_id} is not the trainer's {self.trainer.ranks.machine_id}"
+                 if handle.machine_id != self.trainer.ranks.machine_id else
+                 "its host simulates another machine (placement.kind='process')")
+        if self.weight_transport == "auto":
+            return ("shared_memory" if same_machine else "message"), f"auto: {where}"
+        if self.weight_transport == "shared_memory" and not same_machine:
+            raise ConfigError(f"trainer.weight_transport='shared_memory' cannot reach "
+                              f"{handle.name}: {where}; use 'auto' or 'message'")
+        return self.weight_transport, "trainer.weight_transport"  # type: ignore[return-value]
 
     # ---- weights --------------------------------------------------------------------------------
     async def push_weights(self, version: int) -> dict[str, float]:
@@ -84,6 +118,7 @@ class GeneratorPool:
         assert self.router is not None
         metrics: dict[str, float] = {}
         num_aborted = 0
+        bytes_moved = 0.0
         async with self._push_lock:
             self.policy_version = version
             for index, generator in enumerate(self.handles):
@@ -92,6 +127,13 @@ class GeneratorPool:
                 self.router.set_syncing(index, True)
                 try:
                     metrics = await _until_lost(generator, self.trainer.push_to(generator, version))
+                    moved = _bytes_moved(generator, metrics)
+                    bytes_moved += moved
+                    if index not in self._push_reported:
+                        self._push_reported.add(index)
+                        logger.info("%s: a push moves %.1f MB by %s (%.2f s)", generator.name,
+                                    moved / 1e6, generator.weight_transport,
+                                    metrics.get("weight_sync/total_s", 0.0))
                     if self.abort_on_pull:
                         # Partial rollouts: running requests return their tokens so far and are
                         # resumed (prompt + partial) on the new weights (partial_rollout.py).
@@ -105,6 +147,9 @@ class GeneratorPool:
                     self.router.set_syncing(index, False)
         if self.abort_on_pull:
             metrics["generator/num_aborted_at_pull"] = float(num_aborted)
+        metrics["weight_sync/bytes_moved"] = bytes_moved
+        metrics["weight_sync/generators_by_shared_memory"] = float(sum(
+            h.weight_transport == "shared_memory" for h in self.handles))
         return metrics
 
     # ---- loss and replacement -------------------------------------------------------------------
@@ -158,9 +203,7 @@ class GeneratorPool:
                 logger.warning("stopping lost %s: %r", old.name, e)
             self._spawning_names.add(name)
             try:
-                new = await asyncio.wait_for(spawn_generator(
-                    self.configs[index], name=name, on_lost=self._on_handle_lost),
-                    SPAWN_TIMEOUT_S)
+                new = await asyncio.wait_for(self._spawn(index, name), SPAWN_TIMEOUT_S)
                 async with self._push_lock:  # not while the loop pushes: one version, once
                     if self.policy_version > 0:  # else it serves model_dir: version 0 already
                         await _until_lost(new, self.trainer.push_to(new, self.policy_version))
@@ -213,6 +256,15 @@ class GeneratorPool:
             if isinstance(result, BaseException) and not isinstance(result,
                                                                     asyncio.CancelledError):
                 logger.warning("shutdown: %r", result)
+
+
+def _bytes_moved(generator: GeneratorHandle, metrics: dict[str, float]) -> float:
+    """Bytes one push moved between processes: the message carries the weights to every rank;
+    shared memory, one copy into the segment that every rank reads."""
+    size = metrics.get("weight_sync/bytes", 0.0)
+    if generator.weight_transport == "message":
+        return size * generator.config.tensor_parallel_degree
+    return size
 
 
 async def _until_lost(generator: GeneratorHandle, call: Awaitable[T]) -> T:

@@ -6,6 +6,7 @@
     ├── task          TaskConfig         any task class, named by `type` (torchtitan_rl/task.py)
     ├── rollouter     Rollouter          group size, turn cap, token budget, advantages
     ├── sampling      Sampling           rollout sampling
+    ├── placement     Placement          hosts: local | process | attach | slurm | kubernetes
     ├── generator     Generator          vLLM actor (x num_generators meshes, TP procs each)
     ├── router        GeneratorRouter    request routing over the generators
     ├── trainer       PolicyTrainer      torchtitan Qwen3, optimizer, GRPO loss (x num_trainer_ranks)
@@ -41,6 +42,7 @@ from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.controller.checkpointer import Checkpointer, ControllerState
 from torchtitan_rl.controller.loop import TrainingLoop
 from torchtitan_rl.controller.model_source import ModelSource
+from torchtitan_rl.controller.placement import Placement
 from torchtitan_rl.controller.parts import RunParts
 from torchtitan_rl.controller.resolved_job import ResolvedJob
 from torchtitan_rl.controller.router import GeneratorRouter
@@ -84,8 +86,13 @@ class RLJob(Configurable):
         rollouter: Rollouter.Config = dataclasses.field(default_factory=_default_rollouter)
         sampling: Sampling = dataclasses.field(default_factory=Sampling)
         generator: Generator.Config = dataclasses.field(default_factory=Generator.Config)
+        placement: Placement.Config = dataclasses.field(default_factory=Placement.Config)
+        """Which hosts the trainer and the generators run on (default: this machine)."""
         num_generators: int = 1
         """Generator meshes (each `generator.tensor_parallel_degree` procs)."""
+        generator_tensor_parallel_degrees: list[int] = dataclasses.field(default_factory=list)
+        """One per generator, in place of generator.tensor_parallel_degree: a mixed pool, e.g.
+        [1, 2] (empty: every generator takes generator.tensor_parallel_degree)."""
         router: GeneratorRouter.Config = dataclasses.field(default_factory=GeneratorRouter.Config)
         trainer: PolicyTrainer.Config = dataclasses.field(default_factory=PolicyTrainer.Config)
         num_trainer_ranks: int = 1
@@ -134,6 +141,15 @@ class RLJob(Configurable):
         if c.warm_start.enabled:
             model_dir = c.warm_start.build().output_dir(base, fingerprint, c.seed)
         generator = dataclasses.replace(c.generator, model_dir=str(model_dir), seed=c.seed)
+        degrees = c.generator_tensor_parallel_degrees
+        if degrees and len(degrees) != c.num_generators:
+            raise ConfigError(f"generator_tensor_parallel_degrees has {len(degrees)} entries for "
+                              f"num_generators={c.num_generators}: give one per generator")
+        try:
+            generators = [dataclasses.replace(generator, tensor_parallel_degree=tp)
+                          for tp in degrees] or [generator] * c.num_generators
+        except ValueError as e:
+            raise ConfigError(f"generator_tensor_parallel_degrees={degrees}: {e}") from None
         trainer = dataclasses.replace(c.trainer, seed=c.seed)
         if c.loop.uses_tis and trainer.loss.tis_cap is None:
             trainer = dataclasses.replace(
@@ -145,7 +161,7 @@ class RLJob(Configurable):
             model_dir=str(model_dir), warm_start=c.warm_start if c.warm_start.enabled else None,
             warm_start_fingerprint=fingerprint, task=c.task,
             rollouter=dataclasses.replace(c.rollouter, seed=c.seed), sampling=sampling,
-            generators=[generator] * c.num_generators, router=c.router, trainer=trainer,
+            generators=generators, placement=c.placement, router=c.router, trainer=trainer,
             num_trainer_ranks=c.num_trainer_ranks, verify_weight_push=c.verify_weight_push,
             batcher=c.batcher, loop=c.loop, validation=c.validation, checkpoint=c.checkpoint,
             metrics=c.metrics, recorder=c.recorder,

@@ -6,6 +6,7 @@
     generate_fn ------ BusyGenerateFn(ResumingGenerateFn?(router)): idle clock, partial rollouts
     generators ------- GeneratorPool: the vLLM meshes, their router, weight pushes, replacement
     trainer ---------- TrainerClient: train_step, push_to(generator), checkpoints, HF export
+    hosts ------------ RunHosts: the placement's host meshes (closed last)
     validator -------- held-out reward
     checkpointer ----- trainer DCP + controller state; resume
     metrics, recorder  TensorBoard + metrics.jsonl; rollouts.jsonl
@@ -21,6 +22,7 @@ from torchtitan_rl.controller.checkpointer import Checkpointer
 from torchtitan_rl.controller.data_cursor import DataCursor
 from torchtitan_rl.controller.generator_pool import GeneratorPool
 from torchtitan_rl.controller.idle_ratios import BusyGenerateFn
+from torchtitan_rl.controller.placement import RunHosts
 from torchtitan_rl.controller.trainer_client import TrainerClient
 from torchtitan_rl.controller.validation import Validator
 from torchtitan_rl.metrics.logger import MetricsLogger
@@ -48,6 +50,7 @@ class RunParts:
     generate_fn: BusyGenerateFn
     generators: GeneratorPool
     trainer: TrainerClient
+    hosts: RunHosts
     validator: Validator
     checkpointer: Checkpointer
     metrics: MetricsLogger
@@ -58,7 +61,7 @@ class RunParts:
         replacement in progress stops before the trainer it pushes from) and the metrics files;
         a failure to close one is logged, not raised."""
         self.metrics.close()
-        for part in (self.generators, self.trainer):
+        for part in (self.generators, self.trainer, self.hosts):
             try:
                 await part.close()
             except Exception as e:

@@ -18,6 +18,7 @@ import pathlib
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.controller.checkpointer import Checkpointer
 from torchtitan_rl.controller.loop import TrainingLoop
+from torchtitan_rl.controller.placement import Placement
 from torchtitan_rl.controller.router import GeneratorRouter
 from torchtitan_rl.controller.validation import Validator
 from torchtitan_rl.controller.warm_start import WarmStart
@@ -47,6 +48,8 @@ class ResolvedJob:
     rollouter: Rollouter.Config
     sampling: Sampling
     generators: list[Generator.Config]
+    """One per generator mesh."""
+    placement: Placement.Config
     router: GeneratorRouter.Config
     trainer: PolicyTrainer.Config
     num_trainer_ranks: int
@@ -76,12 +79,19 @@ class ResolvedJob:
         heads = hf["num_attention_heads"]
         kv_heads = hf.get("num_key_value_heads", heads)
         generator = self.generators[0]
-        for key, tp in (("generator.tensor_parallel_degree", generator.tensor_parallel_degree),
-                        ("trainer.tensor_parallel_degree", self.trainer.tensor_parallel_degree)):
-            if heads % tp or kv_heads % tp:
+        tp = self.trainer.tensor_parallel_degree
+        if heads % tp or kv_heads % tp:
+            raise ConfigError(
+                f"trainer.tensor_parallel_degree={tp} must divide the model's attention heads "
+                f"({heads}) and kv heads ({kv_heads}) of {self.base_model_dir}"
+            )
+        for tp in sorted({g.tensor_parallel_degree for g in self.generators}):
+            # vLLM shards the kv heads, or replicates them when there are fewer than ranks.
+            if heads % tp or (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
                 raise ConfigError(
-                    f"{key}={tp} must divide the model's attention heads ({heads}) and kv heads "
-                    f"({kv_heads}) of {self.base_model_dir}"
+                    f"generator.tensor_parallel_degree={tp} must divide the model's attention "
+                    f"heads ({heads}) and either divide its kv heads ({kv_heads}) or be a "
+                    f"multiple of them, for {self.base_model_dir}"
                 )
         dp = self.trainer.data_parallel_shard_degree
         ranks = self.num_trainer_ranks
@@ -117,8 +127,11 @@ class ResolvedJob:
                 "loop.partial_rollout='abort' needs generator.weight_sync.mode='hot_swap', got "
                 f"{generator.weight_sync.mode!r}"
             )
-        if self.verify_weight_push and generator.tensor_parallel_degree != 1:
+        degrees = [g.tensor_parallel_degree for g in self.generators]
+        if self.verify_weight_push and set(degrees) != {1}:
             raise ConfigError(
                 "verify_weight_push needs generator.tensor_parallel_degree=1 (TP ranks hold "
-                f"shards), got {generator.tensor_parallel_degree}"
+                f"shards), got {degrees}"
             )
+        self.placement.check(num_generators=len(self.generators),
+                             num_trainer_ranks=self.num_trainer_ranks)

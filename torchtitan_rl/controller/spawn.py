@@ -1,11 +1,14 @@
 """Spawning a run's meshes and building every part the loop uses, from the resolved job.
 
     build_parts(plan)
-        trainer mesh:      this_host().spawn_procs(num_trainer_ranks) -> PolicyTrainer per proc
+        hosts:             plan.placement -> RunHosts (placement.py: this host, simulated hosts,
+                           attached workers, Slurm, Kubernetes), every host up
+        trainer mesh:      hosts.trainer.spawn_procs(ranks per host) -> PolicyTrainer per proc
                            (or spawn_trainer_ranks(config, model_dir): the torchrun ranks)
                            -> TrainerClient
-        generator meshes:  GeneratorPool: plan.generators[i] -> spawn_generator (TP procs each),
-                           the router over them, replacement of a lost one
+        generator meshes:  GeneratorPool: plan.generators[i] -> spawn_generator on
+                           hosts.generator_host(i) (TP procs each), each one's weight transport,
+                           the router over them, replacement of a lost one on its host
         generate_fn:       BusyGenerateFn(ResumingGenerateFn(router) with partial rollouts)
         task, tokenizer, cursor, rollouter, validator, metrics, recorder
     -> RunParts (controller/parts.py)
@@ -43,7 +46,6 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
     """Spawn and build every part; ``checkpointer`` has prepared the run folder already,
     ``resume_step`` is the step a resumed run continues from (the weights the generators will be
     pushed), ``on_fatal`` fails the run (a generator that cannot be replaced)."""
-    from monarch.actor import this_host
     from transformers import AutoTokenizer
 
     run_dir = pathlib.Path(plan.run_dir)
@@ -58,15 +60,18 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
     ranks: TrainerRanks | None = None
     trainer_procs = None
     pool: GeneratorPool | None = None
+    hosts = await plan.placement.build().open(len(plan.generators))
     try:
         if spawn_trainer_ranks is not None:
             ranks = await spawn_trainer_ranks(plan.trainer, model_dir)
         else:
-            trainer_procs = this_host().spawn_procs(per_host={"procs": plan.num_trainer_ranks})
+            per_host = plan.num_trainer_ranks // plan.placement.trainer_hosts
+            trainer_procs = hosts.trainer.spawn_procs(per_host={"procs": per_host})
             ranks = await MonarchTrainerRanks.spawn(trainer_procs, plan.trainer,
                                                     model_dir=model_dir)
         trainer = TrainerClient(ranks, batcher=plan.batcher, verify_push=plan.verify_weight_push)
-        pool = GeneratorPool(plan.generators, plan.router, trainer=trainer,
+        pool = GeneratorPool(plan.generators, plan.router, trainer=trainer, hosts=hosts,
+                             weight_transport=plan.trainer.weight_transport,
                              abort_on_pull=partial_rollouts, policy_version=resume_step or 0,
                              on_fatal=on_fatal)
         router = await pool.spawn()
@@ -77,6 +82,7 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
             await ranks.close()
         elif trainer_procs is not None:
             await trainer_procs.stop()
+        await hosts.close()
         raise
     inner: GenerateFn = ResumingGenerateFn(router) if partial_rollouts else router
     return RunParts(
@@ -89,6 +95,7 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
         generate_fn=BusyGenerateFn(inner),
         generators=pool,
         trainer=trainer,
+        hosts=hosts,
         validator=validator,
         checkpointer=checkpointer,
         metrics=plan.metrics.build(run_dir=run_dir, purge_step=resume_step),

@@ -51,7 +51,8 @@ from torchtitan_rl.controller.spawn import SpawnTrainerRanks
 from torchtitan_rl.generator import GeneratorHandle
 from torchtitan_rl.trainer.core import PolicyTrainerCore, _device_type
 from torchtitan_rl.trainer.parallel import init_trainer_distributed
-from torchtitan_rl.weight_sync.push import WeightPusher
+from torchtitan_rl.weight_sync.push import WeightPusher, WeightTransport
+from torchtitan_rl.weight_sync.shared_memory import machine_id
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,12 @@ def check_torchrun_config(config: Any) -> None:
             f"num_trainer_ranks={config.num_trainer_ranks} must equal the torchrun world size "
             f"WORLD_SIZE={world_size} (set --num_trainer_ranks {world_size}, or torchrun "
             f"--nproc_per_node {config.num_trainer_ranks})"
+        )
+    if config.placement.kind != "local":
+        raise ConfigError(
+            f"placement.kind={config.placement.kind!r}: a torchrun launch places the trainer "
+            "itself (its ranks are the torchrun processes); use placement.kind = \"local\", or "
+            "launch with python -m torchtitan_rl.train to let the placement spawn the trainer"
         )
 
 
@@ -164,12 +171,11 @@ class TrainerRank:
 class TorchrunTrainerRanks:
     """`TrainerRanks` over the torchrun processes (rank 0 only): every call is a Command."""
 
-    def __init__(self, *, trainer: TrainerRank, executor: concurrent.futures.Executor,
-                 weight_transport: str) -> None:
+    def __init__(self, *, trainer: TrainerRank, executor: concurrent.futures.Executor) -> None:
         self.trainer = trainer
         self.executor = executor
-        self.weight_transport = weight_transport
         self.dp_size = 0
+        self.machine_id = machine_id()  # rank 0 is this process
         self._pusher: WeightPusher | None = None
 
     async def call(self, method: str, *args: Any) -> Any:
@@ -178,7 +184,7 @@ class TorchrunTrainerRanks:
         return await loop.run_in_executor(self.executor, self.trainer.send, command)
 
     async def push_weights(self, generator: GeneratorHandle, version: int, *,
-                           verify: bool) -> dict[str, float]:
+                           verify: bool, transport: WeightTransport) -> dict[str, float]:
         start = time.perf_counter()
         state_dict = await self.call("full_model_state_dict")
         metrics = {"weight_sync/gather_s": time.perf_counter() - start}
@@ -186,7 +192,7 @@ class TorchrunTrainerRanks:
             assert self.trainer.core is not None
             self._pusher = WeightPusher(model_config=self.trainer.core.model_config)
         metrics.update(await self._pusher.push(
-            version, state_dict, generator, transport=self.weight_transport, verify=verify))
+            version, state_dict, generator, transport=transport, verify=verify))
         metrics["weight_sync/total_s"] = time.perf_counter() - start
         logger.info("pushed weights v%d in %.3fs", version, metrics["weight_sync/total_s"])
         return metrics
@@ -204,8 +210,7 @@ def torchrun_trainer_ranks(trainer: TrainerRank,
     resolved trainer config and the run's model directory."""
 
     async def build(trainer_config: Any, model_dir: pathlib.Path) -> TorchrunTrainerRanks:
-        ranks = TorchrunTrainerRanks(trainer=trainer, executor=executor,
-                                     weight_transport=trainer_config.weight_transport)
+        ranks = TorchrunTrainerRanks(trainer=trainer, executor=executor)
         await ranks.call("build", trainer_config, str(model_dir))
         assert trainer.core is not None
         ranks.dp_size = trainer.core.dp_size

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from torchtitan_rl.generator import GeneratorHandle
 from torchtitan_rl.trainer.batcher import Batcher
 from torchtitan_rl.types import TrainingSample
+from torchtitan_rl.weight_sync import WeightTransport
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +31,14 @@ class TrainerRanks(Protocol):
 
     dp_size: int
     """Data-parallel size (the batcher's ``dp_size``)."""
+    machine_id: str
+    """Rank 0's machine (hostname/boot id): generators there can take pushes by shared memory."""
 
     async def call(self, method: str, *args: Any) -> Any:
         """Run the PolicyTrainerCore method on every rank; returns rank 0's result."""
 
     async def push_weights(self, generator: GeneratorHandle, version: int, *,
-                           verify: bool) -> dict[str, float]:
+                           verify: bool, transport: WeightTransport) -> dict[str, float]:
         """Every rank gathers the full weights; rank 0 pushes them to ``generator``."""
 
     async def close(self) -> None: ...
@@ -44,10 +47,11 @@ class TrainerRanks(Protocol):
 class MonarchTrainerRanks:
     """A PolicyTrainer actor mesh (one actor per trainer proc)."""
 
-    def __init__(self, *, procs: Any, actors: Any, dp_size: int) -> None:
+    def __init__(self, *, procs: Any, actors: Any, dp_size: int, machine_id: str) -> None:
         self.procs = procs
         self.actors = actors
         self.dp_size = dp_size
+        self.machine_id = machine_id
 
     @classmethod
     async def spawn(cls, procs: Any, config: Any, *, model_dir: pathlib.Path) -> MonarchTrainerRanks:
@@ -55,7 +59,8 @@ class MonarchTrainerRanks:
 
         actors = await spawn_policy_trainer(procs, config, model_dir=model_dir)
         dp_size = int(rank0_value(await actors.get_dp_size.call()))
-        return cls(procs=procs, actors=actors, dp_size=dp_size)
+        machine = str(rank0_value(await actors.get_machine_id.call()))
+        return cls(procs=procs, actors=actors, dp_size=dp_size, machine_id=machine)
 
     async def call(self, method: str, *args: Any) -> Any:
         from torchtitan_rl.trainer.trainer import rank0_value
@@ -63,8 +68,8 @@ class MonarchTrainerRanks:
         return rank0_value(await getattr(self.actors, method).call(*args))
 
     async def push_weights(self, generator: GeneratorHandle, version: int, *,
-                           verify: bool) -> dict[str, float]:
-        return await self.call("push_weights", generator.actors, version, verify)
+                           verify: bool, transport: WeightTransport) -> dict[str, float]:
+        return await self.call("push_weights", generator.actors, version, verify, transport)
 
     async def close(self) -> None:
         await self.procs.stop()
@@ -91,9 +96,11 @@ class TrainerClient:
         return metrics
 
     async def push_to(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
-        """The trainer's weights into ``generator``'s every rank, as policy ``version`` (read back
-        and compared bit for bit when ``verify_push``)."""
-        return await self.ranks.push_weights(generator, version, verify=self.verify_push)
+        """The trainer's weights into ``generator``'s every rank, as policy ``version``, over the
+        generator's transport (read back and compared bit for bit when ``verify_push``)."""
+        assert generator.weight_transport is not None, "the pool picks each generator's transport"
+        return await self.ranks.push_weights(generator, version, verify=self.verify_push,
+                                             transport=generator.weight_transport)
 
     async def save_checkpoint(self, directory: pathlib.Path) -> None:
         await self.ranks.call("save_checkpoint", str(directory), None)

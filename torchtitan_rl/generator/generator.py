@@ -40,6 +40,7 @@ from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.generator.config import WeightSyncPolicy
 from torchtitan_rl.generator.engine_loop import EngineLoop, StepStats
 from torchtitan_rl.types import Completion, GenerateRequest, Sampling
+from torchtitan_rl.weight_sync.shared_memory import machine_id
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,11 @@ class Generator(Actor, Configurable):
             raise RuntimeError("generator already started")
         self.loop = await start_engine_loop(self.config)
         return os.getpid()
+
+    @concurrent_endpoint
+    async def get_machine_id(self) -> str:
+        """This rank's machine (hostname/boot id): whether a push can use shared memory."""
+        return machine_id()
 
     @concurrent_endpoint
     async def generate(self, request: GenerateRequest) -> Completion | None:

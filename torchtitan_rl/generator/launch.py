@@ -32,6 +32,7 @@ from monarch.actor import Future, HostMesh, ProcMesh, this_host
 
 from torchtitan_rl.generator.generator import Generator
 from torchtitan_rl.types import Completion, GenerateRequest
+from torchtitan_rl.weight_sync.push import WeightTransport
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class GeneratorHandle:
 
     def __init__(self, *, procs: ProcMesh, actors: Any, config: Generator.Config,
                  name: str = "generator", pids: list[int] | None = None,
+                 machine_id: str = "",
                  on_lost: Callable[[GeneratorHandle, str], None] | None = None) -> None:
         self.procs = procs
         self.actors = actors
@@ -62,6 +64,10 @@ class GeneratorHandle:
         self.name = name
         """The actor mesh's spawn name (Monarch's failure reports name it ``<name>-<suffix>``)."""
         self.pids = pids or []
+        self.machine_id = machine_id
+        """The machine its ranks run on (hostname/boot id; TP ranks share one host)."""
+        self.weight_transport: WeightTransport | None = None
+        """How pushes reach it (set by whoever spawned it; None: the trainer's setting)."""
         self.on_lost = on_lost
         self.lost_reason: str | None = None
         """Why the generator was lost (None while it serves)."""
@@ -178,10 +184,11 @@ async def spawn_generator(
         actors = procs.spawn(name, Generator, config)
         started = await actors.start.call()
         pids = [pid for _, pid in sorted(started.items(), key=lambda kv: kv[0].rank)]
+        machine = await actors.slice(procs=0).get_machine_id.call_one()
     except BaseException:
         await procs.stop()
         raise
-    logger.info("generator %s started (tp=%d, pids %s, model %s)", name, tp,
-                ",".join(map(str, pids)), config.model_dir)
+    logger.info("generator %s started (tp=%d, pids %s on %s, model %s)", name, tp,
+                ",".join(map(str, pids)), machine, config.model_dir)
     return GeneratorHandle(procs=procs, actors=actors, config=config, name=name, pids=pids,
-                           on_lost=on_lost)
+                           machine_id=machine, on_lost=on_lost)

@@ -41,6 +41,7 @@ from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.trainer.batcher import TrainingBatch
 from torchtitan_rl.trainer.core import PolicyTrainerCore
 from torchtitan_rl.weight_sync.push import ActorMeshTarget, WeightPusher, WeightTransport
+from torchtitan_rl.weight_sync.shared_memory import machine_id
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +55,12 @@ class PolicyTrainer(Actor, Configurable):
         """PolicyTrainerCore's config (model, dtype, optimizer, warm-up, clipping, parallelism,
         loss) plus the weight push, so ``trainer.optimizer.lr`` etc. sit at the top."""
 
-        weight_transport: Literal["message", "shared_memory"] = "message"
-        """How rank 0 pushes weights to generators: ``message`` pickles the tensors into the
-        Monarch message (any host); ``shared_memory`` copies them once into a POSIX shared
-        segment and sends references (same host only, see weight_sync/shared_memory.py)."""
+        weight_transport: Literal["auto", "message", "shared_memory"] = "auto"
+        """How rank 0 pushes weights to each generator: ``shared_memory`` copies them once into
+        a POSIX shared segment and sends references (same machine only, see
+        weight_sync/shared_memory.py); ``message`` pickles the tensors into the Monarch message
+        (any host); ``auto`` picks shared memory for a generator on the trainer's machine and
+        the message elsewhere (decided per generator at spawn, logged once)."""
 
     def __init__(self, config: Config, *, model_dir: str | None = None) -> None:
         configure_process_logging()  # this proc's log lines to the run's log file
@@ -69,6 +72,11 @@ class PolicyTrainer(Actor, Configurable):
     async def get_dp_size(self) -> int:
         """Data-parallel size: the batcher's ``dp_size``."""
         return self.core.dp_size
+
+    @concurrent_endpoint
+    async def get_machine_id(self) -> str:
+        """This rank's machine (hostname/boot id): whether a push can use shared memory."""
+        return machine_id()
 
     @concurrent_endpoint
     async def get_policy_version(self) -> int:
@@ -104,7 +112,8 @@ class PolicyTrainer(Actor, Configurable):
     ) -> dict[str, float]:
         """Push the weights to ``generators`` (a generator actor mesh, e.g.
         ``GeneratorHandle.actors``) as ``policy_version`` (None: this trainer's); every rank
-        gathers, rank 0 pushes. ``transport`` overrides the configured ``weight_transport``."""
+        gathers, rank 0 pushes. ``transport``: the controller's choice for this generator (None:
+        the configured ``weight_transport``, the message when that is "auto")."""
         if policy_version is None:
             policy_version = self.core.policy_version
         start = time.perf_counter()
@@ -116,7 +125,7 @@ class PolicyTrainer(Actor, Configurable):
         # controller replaces it and pushes again.
         metrics.update(await asyncio.wait_for(self.pusher.push(
             policy_version, state_dict, ActorMeshTarget(generators),
-            transport=transport or self.weight_transport, verify=verify,
+            transport=transport or _fixed_transport(self.weight_transport), verify=verify,
         ), PUSH_TIMEOUT_S))
         metrics["weight_sync/total_s"] = time.perf_counter() - start
         logger.info("pushed policy version %d in %.3fs", policy_version,
@@ -149,6 +158,10 @@ def rank0_value(values: Any) -> Any:
     if not items:
         raise RuntimeError("empty ValueMesh: the trainer mesh has no ranks")
     return min(items, key=lambda item: item[0].rank)[1]
+
+
+def _fixed_transport(setting: str) -> WeightTransport:
+    return "message" if setting == "auto" else setting  # type: ignore[return-value]
 
 
 async def spawn_policy_trainer(

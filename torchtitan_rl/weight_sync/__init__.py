@@ -31,7 +31,11 @@ from torchtitan_rl.weight_sync.push import (
     WeightTransport,
     num_bytes,
 )
-from torchtitan_rl.weight_sync.shared_memory import SharedMemoryStager, SharedTensorRef
+from torchtitan_rl.weight_sync.shared_memory import (
+    SharedMemoryStager,
+    SharedTensorRef,
+    machine_id,
+)
 
 __all__ = [
     "WEIGHT_LOADS",
@@ -46,6 +50,7 @@ __all__ = [
     "WeightPusher",
     "WeightTransport",
     "num_bytes",
+    "machine_id",
     "read_hf_weights",
     "read_vllm_hf_weights",
     "vllm_model",

@@ -37,6 +37,18 @@ _attached_lock = threading.Lock()
 _counter = 0
 
 
+def machine_id() -> str:
+    """This process's machine: hostname and boot id (POSIX shared memory reaches exactly the
+    processes that share both). The controller compares the trainer's with each generator's to
+    pick a push's transport."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
 def _segment(name: str, hostname: str) -> shared_memory.SharedMemory:
     with _attached_lock:
         segment = _attached.get(name)

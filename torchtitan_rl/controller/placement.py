@@ -1,0 +1,315 @@
+"""Where a run's processes live: the host meshes the trainer and the generators are spawned on.
+
+    Placement.Config (kind and its settings) -> check(num_generators) at resolve time (exit 2)
+    hosts = await placement.build().open(num_generators)        -> RunHosts, every wait bounded
+        local:       this_host() for everything (one machine: the default)
+        process:     monarch.job.ProcessJob({"trainer": T, "generators": G}): one worker process
+                     per simulated host, over Monarch's real transport (a laptop, the tests)
+        attach:      attach_to_workers(workers) for workers already started with
+                     ``python -m torchtitan_rl.worker --address tcp://0.0.0.0:PORT``
+        slurm:       monarch.job.SlurmJob(...): sbatch, one Monarch worker per node
+        kubernetes:  monarch.job.kubernetes.KubernetesJob(namespace): pre-provisioned worker pods
+                     found by label selector (MonarchMesh operator or your own StatefulSets)
+    hosts.trainer                the trainer mesh's T hosts (its ranks spread evenly over them)
+    hosts.generator_host(i)      generator i's host (all its tensor-parallel ranks stay on it);
+                                 its replacement after a loss is spawned there again
+    hosts.separate_machines      True when each host is its own machine by construction
+                                 ("process" simulates that): weight pushes never use shared memory
+    await hosts.close()          the job's workers are stopped (process, slurm); bounded
+
+A host that cannot be reached is one HostUnreachableError line naming it (exit 1), never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import sys
+import urllib.parse
+from typing import Any, Literal
+
+from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.config.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+PlacementKind = Literal["local", "process", "attach", "slurm", "kubernetes"]
+
+TRUST_ALL = "trust_all_connections"
+"""Monarch's CA setting for plain TCP between workers (no TLS): trusted networks only."""
+
+
+class HostUnreachableError(RuntimeError):
+    """A host of the run's placement could not be reached (or its worker is gone) at start."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class SlurmPlacement:
+    """`monarch.job.SlurmJob`'s settings (used when ``placement.kind = "slurm"``)."""
+
+    partition: str = ""
+    """Slurm partition ("" = the cluster's default)."""
+    time_limit: str = ""
+    """Job time limit as HH:MM:SS ("" = the partition's default)."""
+    gpus_per_node: int = 0
+    """GPUs per node (0 = request none)."""
+    cpus_per_task: int = 0
+    """CPUs per task (0 = Slurm's default)."""
+    mem: str = ""
+    """Memory per node, e.g. "256G" ("" = Slurm's default)."""
+    python_exe: str = ""
+    """The workers' Python ("" = this controller's interpreter; the nodes must share its path)."""
+    monarch_port: int = 22222
+    """TCP port the Monarch worker listens on, on every node."""
+    job_name: str = "torchtitan_rl"
+    exclusive: bool = True
+    """Nodes are not shared with other jobs."""
+    slurm_args: list[str] = dataclasses.field(default_factory=list)
+    """More sbatch directives, e.g. ["--account=rl", "--qos=high"]."""
+    log_dir: str = ""
+    """Where sbatch writes its logs ("" = Monarch's default)."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class KubernetesPlacement:
+    """`monarch.job.kubernetes.KubernetesJob`'s settings (``placement.kind = "kubernetes"``):
+    the worker pods exist already (MonarchMesh operator, or pods running the worker entry point)
+    and are found by label selector."""
+
+    namespace: str = "default"
+    trainer_label_selector: str = ""
+    """Selector of the trainer's pods ("" = the operator's default for mesh "trainer")."""
+    generators_label_selector: str = ""
+    """Selector of the generators' pods ("" = the operator's default for mesh "generators")."""
+    port: int = 26600
+    """The workers' Monarch port."""
+    kubeconfig: str = ""
+    """A kubeconfig file for running the controller outside the cluster ("" = in-cluster)."""
+
+
+class Placement(Configurable):
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(Configurable.Config):
+        kind: PlacementKind = "local"
+        """local: every process on this machine. process: one local worker process per host
+        (simulated hosts, real transport). attach: workers you started (`workers`). slurm,
+        kubernetes: hosts from the scheduler (their sections below)."""
+        trainer_hosts: int = 1
+        """Hosts of the trainer mesh; num_trainer_ranks is spread evenly over them."""
+        generators_per_host: int = 1
+        """Generators sharing one host (each keeps its tensor-parallel ranks on it); the
+        generator hosts are ceil(num_generators / generators_per_host)."""
+        workers: list[str] = dataclasses.field(default_factory=list)
+        """attach: worker addresses, the trainer's hosts first, then the generator hosts, e.g.
+        ["tcp://node0:26600", "tcp://node1:26600"]."""
+        host_timeout_s: float = 120.0
+        """How long to wait for every host to be up (attach, process; slurm/kubernetes: the
+        allocation too). A host not up by then fails the run, naming it."""
+        slurm: SlurmPlacement = dataclasses.field(default_factory=SlurmPlacement)
+        kubernetes: KubernetesPlacement = dataclasses.field(default_factory=KubernetesPlacement)
+
+        def num_generator_hosts(self, num_generators: int) -> int:
+            return math.ceil(num_generators / self.generators_per_host)
+
+        def check(self, *, num_generators: int, num_trainer_ranks: int) -> None:
+            """One ConfigError line naming the key, before anything starts."""
+            if self.trainer_hosts < 1 or self.generators_per_host < 1:
+                raise ConfigError(
+                    f"placement.trainer_hosts ({self.trainer_hosts}) and "
+                    f"placement.generators_per_host ({self.generators_per_host}) must be >= 1")
+            if num_trainer_ranks % self.trainer_hosts:
+                raise ConfigError(
+                    f"num_trainer_ranks={num_trainer_ranks} must be a multiple of "
+                    f"placement.trainer_hosts={self.trainer_hosts} (the same ranks on each host)")
+            if self.host_timeout_s <= 0:
+                raise ConfigError(f"placement.host_timeout_s must be > 0, got "
+                                  f"{self.host_timeout_s}")
+            if self.kind != "attach" and self.workers:
+                raise ConfigError(f"placement.workers is for kind 'attach' (kind is "
+                                  f"{self.kind!r}): remove it or set placement.kind = \"attach\"")
+            if self.kind == "local" and self.trainer_hosts != 1:
+                raise ConfigError("placement.trainer_hosts > 1 needs hosts: set placement.kind "
+                                  "to process, attach, slurm or kubernetes")
+            if self.kind == "attach":
+                wanted = self.trainer_hosts + self.num_generator_hosts(num_generators)
+                if len(self.workers) != wanted:
+                    raise ConfigError(
+                        f"placement.workers has {len(self.workers)} addresses; this job needs "
+                        f"{wanted}: {self.trainer_hosts} for the trainer "
+                        f"(placement.trainer_hosts), then "
+                        f"{self.num_generator_hosts(num_generators)} for {num_generators} "
+                        f"generators ({self.generators_per_host} per host)")
+                for i, address in enumerate(self.workers):
+                    _check_address(f"placement.workers[{i}]", address)
+
+        def monarch_job(self, num_generators: int) -> Any:
+            """The Monarch job for kinds process, slurm and kubernetes (not applied yet)."""
+            meshes = {"trainer": self.trainer_hosts,
+                      "generators": self.num_generator_hosts(num_generators)}
+            if self.kind == "process":
+                from monarch.job import ProcessJob
+
+                return ProcessJob(meshes)
+            if self.kind == "slurm":
+                from monarch.job import SlurmJob
+
+                return SlurmJob(meshes, **slurm_job_kwargs(self))
+            if self.kind == "kubernetes":
+                from monarch.job.kubernetes import KubernetesJob
+
+                k8s = self.kubernetes
+                job = KubernetesJob(k8s.namespace, timeout=math.ceil(self.host_timeout_s),
+                                    kubeconfig=k8s.kubeconfig or None)
+                for name, selector in (("trainer", k8s.trainer_label_selector),
+                                       ("generators", k8s.generators_label_selector)):
+                    job.add_mesh(name, meshes[name], label_selector=selector or None,
+                                 port=k8s.port)
+                return job
+            raise ValueError(f"placement.kind {self.kind!r} has no Monarch job")
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    async def open(self, num_generators: int) -> RunHosts:
+        """The run's host meshes, every host up (bounded by ``host_timeout_s``)."""
+        c = self.config
+        if c.kind == "local":
+            from monarch.actor import this_host
+
+            return RunHosts(trainer=this_host(), generators=this_host(), generators_per_host=0)
+        if c.kind == "attach":
+            return await _attach(c)
+        job = c.monarch_job(num_generators)
+        try:
+            # apply() submits or starts the workers; a Slurm allocation may queue: bounded too.
+            state = await asyncio.wait_for(
+                asyncio.to_thread(job.state, cached_path=None), c.host_timeout_s)
+            hosts = RunHosts(trainer=state.trainer, generators=state.generators,
+                             generators_per_host=c.generators_per_host, job=job,
+                             separate_machines=c.kind == "process")
+            await hosts.wait_up(f"placement.kind={c.kind}", c.host_timeout_s)
+        except BaseException:
+            _kill(job)
+            raise
+        return hosts
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunHosts:
+    trainer: Any
+    """The trainer's HostMesh."""
+    generators: Any
+    """The generators' HostMesh (this host for local placement)."""
+    generators_per_host: int
+    """0: every generator on the one host (local placement)."""
+    job: Any = None
+    """The Monarch job that owns the hosts (killed at close), if any."""
+    separate_machines: bool = False
+    """Each host is its own machine by construction (simulated hosts): never shared memory."""
+
+    def generator_host(self, index: int) -> Any:
+        if self.generators_per_host == 0:
+            return self.generators
+        return self.generators.slice(hosts=index // self.generators_per_host)
+
+    async def wait_up(self, what: str, timeout_s: float) -> None:
+        for name, mesh in (("trainer", self.trainer), ("generators", self.generators)):
+            try:
+                await asyncio.wait_for(mesh.initialized, timeout_s)
+            except asyncio.TimeoutError:
+                raise HostUnreachableError(
+                    f"{what}: the {name} hosts were not up after {timeout_s:g} s "
+                    f"(placement.host_timeout_s)") from None
+            except Exception as e:
+                raise HostUnreachableError(
+                    f"{what}: the {name} hosts could not be reached: "
+                    f"{' '.join(str(e).split())[:300]}") from e
+
+    async def close(self, timeout_s: float = 60.0) -> None:
+        if self.job is not None:
+            await asyncio.wait_for(asyncio.to_thread(_kill, self.job), timeout_s)
+
+
+async def _attach(c: Placement.Config) -> RunHosts:
+    from monarch.actor import attach_to_workers
+
+    # Monarch's attach waits a minute per dead worker before failing, without naming it: a TCP
+    # connect first names the address at once.
+    for i, address in enumerate(c.workers):
+        await _probe(f"placement.workers[{i}]", address, c.host_timeout_s)
+    trainer = attach_to_workers(ca=TRUST_ALL, workers=c.workers[:c.trainer_hosts],
+                                name="trainer")
+    generators = attach_to_workers(ca=TRUST_ALL, workers=c.workers[c.trainer_hosts:],
+                                   name="generators")
+    hosts = RunHosts(trainer=trainer, generators=generators,
+                     generators_per_host=c.generators_per_host)
+    await hosts.wait_up(f"placement.workers {c.workers}", c.host_timeout_s)
+    return hosts
+
+
+def _check_address(key: str, address: str) -> None:
+    parsed = urllib.parse.urlsplit(address)
+    if parsed.scheme == "tcp":
+        try:
+            port = parsed.port
+        except ValueError:
+            port = None
+        if not parsed.hostname or port is None:
+            raise ConfigError(f"{key}={address!r}: write tcp://HOST:PORT")
+    elif parsed.scheme not in ("ipc", "metatls"):
+        raise ConfigError(f"{key}={address!r}: a worker address is tcp://HOST:PORT (or "
+                          "ipc://PATH, metatls://HOST:PORT)")
+
+
+async def _probe(key: str, address: str, timeout_s: float) -> None:
+    """A TCP connect to the worker; refused connections are retried for ``timeout_s`` (a worker
+    started just before the run may not listen yet)."""
+    parsed = urllib.parse.urlsplit(address)
+    if parsed.scheme not in ("tcp", "metatls"):
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(parsed.hostname, parsed.port),
+                max(0.1, deadline - loop.time()))
+        except (OSError, asyncio.TimeoutError) as e:
+            if isinstance(e, ConnectionRefusedError) and loop.time() + 0.2 < deadline:
+                await asyncio.sleep(0.2)  # polling a socket that is not open yet
+                continue
+            raise HostUnreachableError(
+                f"{key} {address}: no worker answers there after {timeout_s:g} s "
+                f"({type(e).__name__}: {e}); start one with python -m torchtitan_rl.worker "
+                f"--address {address}") from None
+        writer.close()
+        return
+
+
+def slurm_job_kwargs(c: Placement.Config) -> dict[str, Any]:
+    """`SlurmJob`'s keyword arguments for ``c.slurm`` (empty settings left to Slurm)."""
+    s = c.slurm
+    return {
+        "python_exe": s.python_exe or sys.executable,
+        "slurm_args": tuple(s.slurm_args),
+        "monarch_port": s.monarch_port,
+        "job_name": s.job_name,
+        "time_limit": s.time_limit or None,
+        "partition": s.partition or None,
+        "log_dir": s.log_dir or None,
+        "exclusive": s.exclusive,
+        "gpus_per_node": s.gpus_per_node or None,
+        "cpus_per_task": s.cpus_per_task or None,
+        "mem": s.mem or None,
+        "job_start_timeout": math.ceil(c.host_timeout_s),
+    }
+
+
+def _kill(job: Any) -> None:
+    try:
+        job.kill()
+    except Exception as e:  # the workers may be gone already
+        logger.warning("stopping the placement's workers: %r", e)
+
