@@ -70,3 +70,42 @@ def read_hf_weights(directory: pathlib.Path) -> dict:
     for file in sorted(directory.glob("*.safetensors")):
         weights.update(load_file(file))
     return weights
+
+
+class LogWatch:
+    """Reads a process's stderr on a thread; ``wait_for`` blocks until a line matches."""
+
+    def __init__(self, stream) -> None:
+        import threading
+
+        self._lines: list[str] = []
+        self._changed = threading.Condition()
+        self._closed = False
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            with self._changed:
+                self._lines.append(line)
+                self._changed.notify_all()
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def wait_for(self, pattern: str, timeout_s: float = 600.0):
+        import re
+
+        regex = re.compile(pattern)
+        with self._changed:
+            seen = 0
+            while True:
+                for line in self._lines[seen:]:
+                    if match := regex.search(line):
+                        return match
+                seen = len(self._lines)
+                assert not self._closed, f"process ended before {pattern!r}: {self.text()[-3000:]}"
+                assert self._changed.wait(timeout_s), f"no {pattern!r} in {timeout_s} s"
+
+    def text(self) -> str:
+        with self._changed:
+            return "".join(self._lines)

@@ -1,6 +1,6 @@
 """Run a tiny job in its own process (for tests that kill it): python -m tests.controller.run_tiny_job
 OUTPUT_DIR NAME NUM_STEPS [--resume] [--num-prompts N] [--staleness S] [--partial-rollout abort]
-[--num-generators N] [--max-restarts N] [--max-skipped-in-row N]. Staleness 0 (the default) is synchronous training."""
+[--num-generators N] [--max-restarts N] [--max-skipped-in-row N] [--placement KIND]. Staleness 0 (the default) is synchronous training."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import logging
 import pathlib
 import sys
 
+from torchtitan_rl.controller.placement import Placement
 from torchtitan_rl.train import run_and_report
 
 from tests.controller.jobs import tiny_job
@@ -28,6 +29,7 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-generators", type=int, default=1)
     parser.add_argument("--max-restarts", type=int, default=3)
     parser.add_argument("--max-skipped-in-row", type=int, default=3)
+    parser.add_argument("--placement", default="local")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = tiny_job(args.output_dir, args.name, num_steps=args.num_steps,
@@ -39,6 +41,7 @@ def run(argv: list[str] | None = None) -> None:
         checkpoint=dataclasses.replace(config.checkpoint,
                                        resume="must" if args.resume else "never"),
         num_generators=args.num_generators,
+        placement=Placement.Config(kind=args.placement),
         generator=dataclasses.replace(config.generator, max_restarts=args.max_restarts),
     )
     sys.exit(run_and_report(config))

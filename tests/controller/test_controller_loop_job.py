@@ -24,7 +24,13 @@ from torchtitan_rl.controller.router import GeneratorRouter
 from torchtitan_rl.faults import ENV_VAR
 from torchtitan_rl.train import main
 
-from tests.controller.jobs import REPO_ROOT, read_hf_weights, read_metrics, tiny_job
+from tests.controller.jobs import (
+    REPO_ROOT,
+    LogWatch,
+    read_hf_weights,
+    read_metrics,
+    tiny_job,
+)
 
 
 def test_two_staleness_zero_runs_of_one_seed_are_identical(sync_tiny_run, tmp_path):
@@ -213,7 +219,7 @@ def test_generator_killed_mid_step_is_replaced_and_nothing_is_lost(tmp_path, sta
          "--num-generators", str(num_generators)],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    log = _LogWatch(proc.stderr)
+    log = LogWatch(proc.stderr)
     try:
         # generator_0's pid, from the controller's log; kill it from outside once step 1 trained
         started = log.wait_for(r"generator generator_0 started \(tp=1, pids (\d+),")
@@ -245,46 +251,6 @@ def test_generator_killed_mid_step_is_replaced_and_nothing_is_lost(tmp_path, sta
         assert "generator_0 replaced by generator_0_r1" in log.text()
     else:  # the other generator served while the first was replaced
         assert last["generator/requests_served_by_others_during_recovery"] > 0
-
-
-class _LogWatch:
-    """Reads a process's stderr on a thread; ``wait_for`` blocks until a line matches."""
-
-    def __init__(self, stream) -> None:
-        import threading
-
-        self._lines: list[str] = []
-        self._changed = threading.Condition()
-        self._closed = False
-        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
-
-    def _read(self, stream) -> None:
-        for line in stream:
-            with self._changed:
-                self._lines.append(line)
-                self._changed.notify_all()
-        with self._changed:
-            self._closed = True
-            self._changed.notify_all()
-
-    def wait_for(self, pattern: str, timeout_s: float = 600.0):
-        import re
-
-        regex = re.compile(pattern)
-        with self._changed:
-            seen = 0
-            while True:
-                for line in self._lines[seen:]:
-                    if match := regex.search(line):
-                        return match
-                seen = len(self._lines)
-                assert not self._closed, f"process ended before {pattern!r}: {self.text()[-3000:]}"
-                assert self._changed.wait(timeout_s), f"no {pattern!r} in {timeout_s} s"
-
-    def text(self) -> str:
-        with self._changed:
-            return "".join(self._lines)
-
 
 
 def _checkpoint_model(run_dir: pathlib.Path, step: int) -> dict[str, torch.Tensor]:

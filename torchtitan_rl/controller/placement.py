@@ -119,6 +119,9 @@ class Placement(Configurable):
                 raise ConfigError(
                     f"placement.trainer_hosts ({self.trainer_hosts}) and "
                     f"placement.generators_per_host ({self.generators_per_host}) must be >= 1")
+            if self.kind == "local" and self.trainer_hosts != 1:
+                raise ConfigError("placement.trainer_hosts > 1 needs hosts: set placement.kind "
+                                  "to process, attach, slurm or kubernetes")
             if num_trainer_ranks % self.trainer_hosts:
                 raise ConfigError(
                     f"num_trainer_ranks={num_trainer_ranks} must be a multiple of "
@@ -129,9 +132,6 @@ class Placement(Configurable):
             if self.kind != "attach" and self.workers:
                 raise ConfigError(f"placement.workers is for kind 'attach' (kind is "
                                   f"{self.kind!r}): remove it or set placement.kind = \"attach\"")
-            if self.kind == "local" and self.trainer_hosts != 1:
-                raise ConfigError("placement.trainer_hosts > 1 needs hosts: set placement.kind "
-                                  "to process, attach, slurm or kubernetes")
             if self.kind == "attach":
                 wanted = self.trainer_hosts + self.num_generator_hosts(num_generators)
                 if len(self.workers) != wanted:
@@ -157,11 +157,16 @@ class Placement(Configurable):
 
                 return SlurmJob(meshes, **slurm_job_kwargs(self))
             if self.kind == "kubernetes":
-                from monarch.job.kubernetes import KubernetesJob
+                try:
+                    from monarch.job.kubernetes import KubeConfig, KubernetesJob
+                except ImportError as e:
+                    raise ConfigError(f"placement.kind='kubernetes' needs the kubernetes client: "
+                                      f"pip install kubernetes ({e})") from None
 
                 k8s = self.kubernetes
-                job = KubernetesJob(k8s.namespace, timeout=math.ceil(self.host_timeout_s),
-                                    kubeconfig=k8s.kubeconfig or None)
+                job = KubernetesJob(
+                    k8s.namespace, timeout=math.ceil(self.host_timeout_s),
+                    kubeconfig=KubeConfig.from_path(k8s.kubeconfig) if k8s.kubeconfig else None)
                 for name, selector in (("trainer", k8s.trainer_label_selector),
                                        ("generators", k8s.generators_label_selector)):
                     job.add_mesh(name, meshes[name], label_selector=selector or None,
@@ -184,8 +189,13 @@ class Placement(Configurable):
         job = c.monarch_job(num_generators)
         try:
             # apply() submits or starts the workers; a Slurm allocation may queue: bounded too.
-            state = await asyncio.wait_for(
-                asyncio.to_thread(job.state, cached_path=None), c.host_timeout_s)
+            try:
+                state = await asyncio.wait_for(
+                    asyncio.to_thread(job.state, cached_path=None), c.host_timeout_s)
+            except asyncio.TimeoutError:
+                raise HostUnreachableError(
+                    f"placement.kind={c.kind}: the job's hosts were not allocated and up after "
+                    f"{c.host_timeout_s:g} s (placement.host_timeout_s)") from None
             hosts = RunHosts(trainer=state.trainer, generators=state.generators,
                              generators_per_host=c.generators_per_host, job=job,
                              separate_machines=c.kind == "process")

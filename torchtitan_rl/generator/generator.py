@@ -39,6 +39,7 @@ from torchtitan_rl.console import configure_process_logging
 from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.generator.config import WeightSyncPolicy
 from torchtitan_rl.generator.engine_loop import EngineLoop, StepStats
+from torchtitan_rl.generator.vllm_engine import unlink_cpu_tp_segments
 from torchtitan_rl.types import Completion, GenerateRequest, Sampling
 from torchtitan_rl.weight_sync.shared_memory import machine_id
 
@@ -170,6 +171,8 @@ class Generator(Actor, Configurable):
         if self.loop is not None:
             await self.loop.close()
         await self._no_calls_waiting.wait()
+        if self.config.tensor_parallel_degree > 1:
+            unlink_cpu_tp_segments()
 
     @concurrent_endpoint
     async def get_policy_version(self) -> int:

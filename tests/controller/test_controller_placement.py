@@ -1,0 +1,205 @@
+"""Placement over hosts (real Monarch workers, vLLM, torchtitan on this machine): simulated hosts
+train exactly as one host does, runs attach to TCP workers, a dead worker fails in one line, a
+generator lost on its host is replaced on that host; and the placement's config checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.controller.placement import Placement, SlurmPlacement, slurm_job_kwargs
+from torchtitan_rl.faults import ENV_VAR
+from torchtitan_rl.train import main
+
+from tests.controller.jobs import REPO_ROOT, LogWatch, read_metrics, tiny_job
+
+TINY_MODEL_BYTES = 820_992
+"""One push of the tiny model's weights (float32; the gathered state dict holds the tied
+embedding and output head as two tensors)."""
+
+
+def _two_generator_job(out: pathlib.Path, name: str, placement: Placement.Config,
+                       **loop_kwargs) -> object:
+    """Two generators, the second tensor-parallel 2 (the rank-0 LoopDecision broadcast in a job)."""
+    config = tiny_job(out, name, num_steps=3, **loop_kwargs)
+    return dataclasses.replace(config, num_generators=2, generator_tensor_parallel_degrees=[1, 2],
+                               placement=placement)
+
+
+def _trained(run_dir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in
+            (run_dir / "trained_samples.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def local_and_process_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("placement")
+    main(_two_generator_job(out, "local", Placement.Config(kind="local")))
+    main(_two_generator_job(out, "process", Placement.Config(kind="process")))
+    return out / "local", out / "process"
+
+
+def test_job_over_simulated_hosts_trains_as_on_one_host(local_and_process_runs):
+    local, process = local_and_process_runs
+    # Synchronous training (S = 0) is deterministic: the hosts must change nothing but the wires.
+    assert _trained(process) == _trained(local)
+    local_metrics, process_metrics = read_metrics(local), read_metrics(process)
+    for step in range(3):
+        for key in ("rollout_reward/mean", "loss/value", "trainer/grad_norm"):
+            assert process_metrics[step][key] == local_metrics[step][key], (step, key)
+        for run in (local_metrics, process_metrics):
+            assert run[step]["router/generator_0/num_routed"] > 0
+            assert run[step]["router/generator_1/num_routed"] > 0  # the TP-2 generator served
+    # Same machine: one shared-memory copy per generator. Simulated hosts: the message carries
+    # the weights to every rank (1 + 2 ranks).
+    assert local_metrics[0]["weight_sync/generators_by_shared_memory"] == 2
+    assert local_metrics[0]["weight_sync/bytes_moved"] == 2 * TINY_MODEL_BYTES
+    assert process_metrics[0]["weight_sync/generators_by_shared_memory"] == 0
+    assert process_metrics[0]["weight_sync/bytes_moved"] == 3 * TINY_MODEL_BYTES
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_worker(address: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "torchtitan_rl.worker", "--address", address],
+                            cwd=REPO_ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def _stop(worker: subprocess.Popen) -> None:
+    """The worker and the procs it spawned (its session)."""
+    try:
+        os.killpg(worker.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    worker.wait(timeout=60)
+
+
+def test_job_attached_to_tcp_workers_trains_with_the_message_transport(tmp_path):
+    addresses = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(2)]
+    workers = [_start_worker(address) for address in addresses]
+    try:
+        config = tiny_job(tmp_path, "attached", num_steps=2, max_staleness=1)
+        config = dataclasses.replace(
+            config, placement=Placement.Config(kind="attach", workers=addresses),
+            trainer=dataclasses.replace(config.trainer, weight_transport="message"))
+        summary = main(config)
+        assert all(worker.poll() is None for worker in workers)  # the run stopped procs only
+    finally:
+        for worker in workers:
+            _stop(worker)
+    assert summary["steps"] == 2
+    metrics = read_metrics(tmp_path / "attached")
+    for step in range(2):
+        assert metrics[step]["weight_sync/generators_by_shared_memory"] == 0
+        assert metrics[step]["weight_sync/bytes_moved"] == TINY_MODEL_BYTES
+        assert 0 <= metrics[step]["async/policy_age_max"] <= 1
+
+
+def test_a_worker_gone_before_the_run_fails_it_with_one_line(tmp_path):
+    addresses = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(2)]
+    workers = [_start_worker(address) for address in addresses]
+    _stop(workers[1])  # killed before the run starts
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torchtitan_rl.train",
+             "--config", "tests/controller/tiny_letter_job.toml", "--output_dir", str(tmp_path),
+             "--placement.kind", "attach", "--placement.workers", ",".join(addresses),
+             "--placement.host_timeout_s", "5"],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    finally:
+        _stop(workers[0])
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert f"placement.workers[1] {addresses[1]}: no worker answers there" in errors[0]
+
+
+def test_a_generator_lost_on_its_host_is_replaced_on_that_host(tmp_path):
+    env = dict(os.environ)
+    env.pop(ENV_VAR, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "lost", "6",
+         "--num-prompts", "12", "--placement", "process"],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = LogWatch(proc.stderr)
+    try:
+        started = log.wait_for(r"generator generator_0 started \(tp=1, pids (\d+) ")
+        trainer_host = os.getsid(proc.pid)
+        lost_pid = int(started.group(1))
+        generator_host = os.getsid(lost_pid)  # the simulated host's worker session
+        assert generator_host != trainer_host
+        log.wait_for(r"step=1 ")
+        os.kill(lost_pid, signal.SIGKILL)
+        replaced = log.wait_for(r"generator generator_0_r1 started \(tp=1, pids (\d+) ")
+        try:
+            assert os.getsid(int(replaced.group(1))) == generator_host
+        except ProcessLookupError:
+            pytest.fail("the replacement ended before its host could be read")
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, log.text()[-4000:]
+    steps = _trained(tmp_path / "lost")
+    assert [s["step"] for s in steps] == list(range(6))
+    assert sorted(g for s in steps for g in s["group_ids"]) == list(range(12))
+    assert read_metrics(tmp_path / "lost")[5]["generator/restarts"] == 1
+
+
+@pytest.mark.parametrize("placement, message", [
+    (Placement.Config(kind="attach", workers=["tcp://a:1"]),
+     "placement.workers has 1 addresses; this job needs 2"),
+    (Placement.Config(kind="attach", workers=["tcp://a:1", "a:2"]),
+     "placement.workers[1]='a:2': a worker address is tcp://HOST:PORT"),
+    (Placement.Config(kind="attach", workers=["tcp://a:1", "tcp://b"]),
+     "placement.workers[1]='tcp://b': write tcp://HOST:PORT"),
+    (Placement.Config(kind="process", workers=["tcp://a:1"]),
+     "placement.workers is for kind 'attach'"),
+    (Placement.Config(kind="local", trainer_hosts=2),
+     "placement.trainer_hosts > 1 needs hosts"),
+    (Placement.Config(kind="slurm", trainer_hosts=2),
+     "num_trainer_ranks=1 must be a multiple of placement.trainer_hosts=2"),
+    (Placement.Config(kind="process", generators_per_host=0),
+     "placement.trainer_hosts (1) and placement.generators_per_host (0) must be >= 1"),
+])
+def test_placement_errors_name_the_key(placement, message):
+    with pytest.raises(ConfigError) as e:
+        placement.check(num_generators=1, num_trainer_ranks=1)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_generators_share_hosts_as_configured():
+    placement = Placement.Config(kind="attach", generators_per_host=2,
+                                 workers=["tcp://t:1", "tcp://g0:1", "tcp://g1:1"])
+    placement.check(num_generators=3, num_trainer_ranks=1)  # 1 trainer host + ceil(3 / 2)
+    assert placement.num_generator_hosts(3) == 2
+
+
+def test_slurm_settings_reach_monarch_slurm_job():
+    placement = Placement.Config(kind="slurm", host_timeout_s=900, slurm=SlurmPlacement(
+        partition="gpu", time_limit="02:00:00", gpus_per_node=8, slurm_args=["--account=rl"]))
+    kwargs = slurm_job_kwargs(placement)
+    assert kwargs["partition"] == "gpu" and kwargs["time_limit"] == "02:00:00"
+    assert kwargs["gpus_per_node"] == 8 and kwargs["slurm_args"] == ("--account=rl",)
+    assert kwargs["job_start_timeout"] == 900
+    assert kwargs["mem"] is None and kwargs["cpus_per_task"] is None  # left to Slurm
+    assert kwargs["python_exe"] == sys.executable
+    import inspect
+
+    from monarch.job import SlurmJob
+
+    assert set(kwargs) <= set(inspect.signature(SlurmJob).parameters)
