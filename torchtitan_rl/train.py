@@ -127,16 +127,21 @@ def run_and_report(config: RLJob.Config,
     try:
         summary = run(config)
     except ConfigError as e:
-        print(f"error: {e}", file=console_err())
+        print(f"error: {_one_line(e)}", file=console_err())
         return 2
     except RunFailedError as e:
         logger.debug("run failed", exc_info=True)
-        print(f"error: {e}", file=console_err())
+        print(f"error: {_one_line(e)}", file=console_err())
         return 1
     # The last line of the job: what a person (or a script) reads first.
     print(" ".join(f"{k}={_fmt(summary[k])}" for k in ("reward_before", "reward_after", "steps",
                                                         "wall_s")), file=console_out())
     return 0
+
+
+def _one_line(error: BaseException) -> str:
+    """Monarch's failure reports span lines; the console gets one."""
+    return " ".join(str(error).split())
 
 
 def _fmt(value: Any) -> str:

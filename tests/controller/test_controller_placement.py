@@ -160,6 +160,32 @@ def test_a_generator_lost_on_its_host_is_replaced_on_that_host(tmp_path):
     assert read_metrics(tmp_path / "lost")[5]["generator/restarts"] == 1
 
 
+def test_a_generator_host_lost_for_good_fails_the_run_with_one_line(tmp_path):
+    """The generator's whole host (its worker and procs) dies: Monarch reports the generator
+    lost (~1 min: no proc is left to report), the replacement cannot spawn there (its spawn is
+    bounded), and the run fails with one line instead of waiting for the host."""
+    env = dict(os.environ)
+    env.pop(ENV_VAR, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "host", "100",
+         "--placement", "process"],  # one generator: the run cannot finish without its host
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = LogWatch(proc.stderr)
+    try:
+        started = log.wait_for(r"generator generator_0 started \(tp=1, pids (\d+) ")
+        log.wait_for(r"step=1 ")
+        os.killpg(os.getsid(int(started.group(1))), signal.SIGKILL)  # the host's worker session
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, log.text()[-4000:]
+    errors = [line for line in log.text().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, log.text()[-4000:]
+    assert errors[0].startswith("error: actor mesh failure: replacing generator_0 (lost: ")
+    assert "error spawning proc mesh" in errors[0]
+
+
 @pytest.mark.parametrize("placement, message", [
     (Placement.Config(kind="attach", workers=["tcp://a:1"]),
      "placement.workers has 1 addresses; this job needs 2"),
