@@ -1,0 +1,145 @@
+"""Multi-turn episodes through the whole stack (Monarch meshes, vLLM generator, torchtitan
+trainer): the loss mask the trainer trains with covers exactly the tokens the generator produced
+in every turn (turn 2 and 3 included) and none of the prompt or of the user messages the env
+inserts between turns.
+
+What the trainer received is read from ``trainer.debug_batch_log`` (each rank appends, per
+microbatch, the input ids, positions, document ids and loss mask its loss used); what was
+generated from the rollouts JSONL (per turn: prompt length, completion length and texts); which
+sample is which document from trained_samples.jsonl (document id = index in the step's samples).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+import pytest
+
+from torchtitan_rl.controller.checkpointer import Checkpointer
+from torchtitan_rl.controller.validation import Validator
+from torchtitan_rl.generator.generator import Generator
+from torchtitan_rl.rollout.rollouter import Rollouter
+from torchtitan_rl.train import main
+from torchtitan_rl.trainer.batcher import Batcher
+from torchtitan_rl.types import Sampling
+
+from tests.controller.jobs import REPO_ROOT, read_metrics, tiny_job
+from tests.controller.multi_turn_letter_task import MultiTurnLetterTask, env_message
+
+NUM_STEPS = 2
+NUM_TURNS = 3
+SEQ_LEN = 160
+# Every 5th token id stops a reply (as in tests/rollout/test_rollout_vllm.py): the random tiny
+# model rarely samples its end-of-turn token, and a reply cut at max_tokens ends the rollout.
+STOP_TOKEN_IDS = list(range(3, 1024, 5))
+
+
+@pytest.fixture(scope="module")
+def multi_turn_run(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
+    out = tmp_path_factory.mktemp("multi_turn")
+    batch_log = out / "trainer_batches.jsonl"
+    base = tiny_job(out, "multi_turn", num_steps=NUM_STEPS)
+    config = dataclasses.replace(
+        base,
+        task=MultiTurnLetterTask.Config(num_turns=NUM_TURNS),
+        rollouter=Rollouter.Config(group_size=4, max_turns=NUM_TURNS,
+                                   max_rollout_tokens=SEQ_LEN),
+        sampling=Sampling(max_tokens=12, stop_token_ids=STOP_TOKEN_IDS),
+        generator=Generator.Config(max_model_len=SEQ_LEN, kv_cache_bytes=32 << 20),
+        batcher=Batcher.Config(seq_len=SEQ_LEN),
+        trainer=dataclasses.replace(base.trainer, debug_batch_log=str(batch_log)),
+        validation=Validator.Config(num_prompts=0),
+        checkpoint=Checkpointer.Config(every_steps=0, export_hf=False),
+    )
+    summary = main(config)
+    assert summary["steps"] == NUM_STEPS
+    return out / "multi_turn", batch_log
+
+
+def _jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _received_samples(batch_log: pathlib.Path) -> dict[int, dict[int, tuple[list[int], list[int]]]]:
+    """{policy version (= step): {document id: (token ids, token mask)}} as the trainer got them.
+    Token mask j is the loss mask at position j - 1 (position i predicts token i + 1)."""
+    by_step: dict[int, dict[int, tuple[list[int], list[int]]]] = {}
+    for record in _jsonl(batch_log):
+        assert record["rank"] == 0 and record["dp_rank"] == 0
+        documents = by_step.setdefault(record["policy_version"], {})
+        for ids, positions, docs, mask in zip(record["input_ids"], record["positions"],
+                                              record["document_ids"], record["loss_mask"],
+                                              strict=True):
+            for j, doc in enumerate(docs):
+                if doc == -1:
+                    assert mask[j] == 0, "a padding position is trained on"
+                    continue
+                tokens, token_mask = documents.setdefault(doc, ([], [0]))
+                assert positions[j] == len(tokens), "a sample is split or out of order"
+                tokens.append(ids[j])
+                token_mask.append(mask[j])
+    for documents in by_step.values():
+        for tokens, token_mask in documents.values():
+            # the last position of a sample predicts nothing
+            assert token_mask.pop() == 0
+            assert len(token_mask) == len(tokens)
+    return by_step
+
+
+def test_multi_turn_loss_mask_reaches_the_trainer_exactly_on_generated_tokens(multi_turn_run):
+    from transformers import AutoTokenizer
+
+    run_dir, batch_log = multi_turn_run
+    tokenizer = AutoTokenizer.from_pretrained(REPO_ROOT / "assets" / "models" / "tiny")
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+
+    received = _received_samples(batch_log)
+    trained = {r["step"]: r["sample_ids"] for r in _jsonl(run_dir / "trained_samples.jsonl")}
+    recorded = {(r["step"], r["sample_id"]): r
+                for r in _jsonl(run_dir / "rollouts" / "rollouts.jsonl")}
+    metrics = read_metrics(run_dir)
+    assert sorted(received) == sorted(trained) == list(range(NUM_STEPS))
+
+    num_multi_turn = num_later_turn_tokens = 0
+    for step in range(NUM_STEPS):
+        documents = received[step]
+        assert sorted(documents) == list(range(len(trained[step])))  # every sample, none dropped
+        expected_valid = 0
+        for document, sample_id in enumerate(trained[step]):
+            session, branch = sample_id.rsplit("/", 1)
+            assert branch == "branch=0"  # one growing prefix: no branch
+            rollout = recorded[(step, session)]
+            assert rollout["group_dropped"] is None and rollout["advantage"] is not None
+            turns = rollout["turns"]
+            tokens, token_mask = documents[document]
+            last = turns[-1]
+            assert len(tokens) == last["num_prompt_tokens"] + last["num_completion_tokens"]
+
+            spans = [range(t["num_prompt_tokens"],
+                           t["num_prompt_tokens"] + t["num_completion_tokens"]) for t in turns]
+            # the mask is exactly the union of the turns' generated spans
+            assert [j for j, m in enumerate(token_mask) if m] == [j for s in spans for j in s], (
+                sample_id, token_mask)
+            previous_end = 0
+            for k, (turn, span) in enumerate(zip(turns, spans, strict=True)):
+                # the masked tokens are this turn's completion ...
+                assert decode(tokens[span.start:span.stop]) == turn["completion_text"]
+                # ... and the unmasked tokens before it are what the env added to the prompt
+                # (the first prompt; after turn 1 the turn's closer and the env's user message)
+                gap = decode(tokens[previous_end:span.start])
+                assert gap == (rollout["prompt_text"] if k == 0 else turn["prompt_added_text"])
+                if k > 0:
+                    assert env_message(k + 1) in gap
+                    num_later_turn_tokens += len(span)
+                previous_end = span.stop
+            num_multi_turn += len(turns) >= 2
+            expected_valid += sum(t["num_completion_tokens"] for t in turns)
+        # the trainer's own count of trained tokens: every turn's generated tokens, no more
+        assert metrics[step]["loss/num_valid_tokens"] == expected_valid, step
+        assert metrics[step]["rollout/num_turns"] > 1.0
+
+    assert num_multi_turn > 0
+    assert num_later_turn_tokens > 0
