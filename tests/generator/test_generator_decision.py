@@ -149,4 +149,5 @@ def test_in_place_load_is_refused_where_it_cannot_work_in_one_line() -> None:
     with pytest.raises(ValueError, match="weight_sync.load must be one of"):
         WeightSyncPolicy(load="copy")  # type: ignore[arg-type]
     assert Generator.Config(weight_sync=in_place).weight_sync.load == "in_place"
-    assert WeightSyncPolicy().load == "reload"
+    assert WeightSyncPolicy().load == "auto"  # in_place where it works (start_engine_loop)
+    assert Generator.Config(tensor_parallel_degree=2).weight_sync.load == "auto"

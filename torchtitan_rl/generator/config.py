@@ -7,7 +7,7 @@ import dataclasses
 from typing import Literal
 
 WEIGHT_SYNC_MODES = ("hot_swap", "drain")
-WEIGHT_LOADS = ("reload", "in_place")
+WEIGHT_LOADS = ("auto", "reload", "in_place")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -30,11 +30,12 @@ class WeightSyncPolicy:
     weights (tokens after the pull are then exactly what the new weights give for prompt + tokens
     so far). Needs ``reset_prefix_cache``; no effect under ``drain`` (nothing runs at the pull)."""
 
-    load: Literal["reload", "in_place"] = "reload"
+    load: Literal["auto", "reload", "in_place"] = "auto"
     """How a pull writes into vLLM. 'reload': vLLM's ``reload_weights`` (any device, any
     tensor_parallel_degree; on CPU it repacks every linear, ~5 memcpys of the weights). 'in_place':
     the CPU linears are unpacked once at engine start and each pull is one ``copy_`` per tensor
-    into the live parameters; CPU engines with tensor_parallel_degree 1 and enforce_eager only."""
+    into the live parameters; CPU engines with tensor_parallel_degree 1 and enforce_eager only.
+    'auto': in_place where it works, else reload (decided at engine start, logged)."""
 
     def __post_init__(self) -> None:
         if self.load not in WEIGHT_LOADS:

@@ -222,6 +222,12 @@ class Generator(Actor, Configurable):
         return self.loop
 
 
+def _is_cpu_engine() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 async def start_engine_loop(
     config: Generator.Config,
     *,
@@ -247,7 +253,11 @@ async def start_engine_loop(
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
     loop = asyncio.get_running_loop()
     engine = await loop.run_in_executor(executor, _build_engine_in_thread, config)
-    puller = WeightPuller(config.model_dir, load=config.weight_sync.load)  # type: ignore[arg-type]
+    load = config.weight_sync.load
+    if load == "auto":  # the fast path where vLLM's CPU layout allows it
+        load = "in_place" if tp == 1 and config.enforce_eager and _is_cpu_engine() else "reload"
+        logger.info("weight_sync.load='auto': %s", load)
+    puller = WeightPuller(config.model_dir, load=load)  # type: ignore[arg-type]
     await loop.run_in_executor(executor, puller.setup, engine)
     channel = None
     if tp > 1:
