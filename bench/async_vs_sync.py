@@ -1,7 +1,7 @@
 """Trained samples per second: the training loop at staleness 2 with partial rollouts (async) vs
 staleness 0 (sync), on the same config, in one run.
 
-    python bench/async_vs_sync.py [--size tiny] [--steps 6] [--groups-per-step 8]
+    python bench/async_vs_sync.py [--size tiny] [--steps 30] [--repeats 3] [--groups-per-step 8]
 
 Heavy-tailed response lengths come from the environment mix: most episodes end after one
 assistant turn, one in ``--long-every`` runs ``--long-turns`` turns (the env answers "go on"
@@ -9,9 +9,14 @@ each time), and every reply ends at one of ``--stop-every``-th token ids (a geom
 the tiny random model almost never says end-of-turn), so a synchronous step always waits for its
 slowest groups while the generator batch runs nearly empty and the trainer idles. Both runs use one torch thread for the generator and one
 for the trainer (two cores), no validation and no checkpoints; samples/s is training samples over
-the loop's wall time (sum of ``time/step_s``, the step windows tile the loop). Last line:
+the loop's wall time (sum of ``time/step_s``, the step windows tile the loop).
 
-    ratio=... async_samples_per_s=... sync_samples_per_s=...
+Each repeat runs sync then async; the figures are medians over repeats, with their spread
+((max - min) / median). The bound: the sync run's work at a step time equal to the busier of the
+generator and the trainer (their busy seconds in the sync run, from the idle ratios), i.e. what a
+perfect overlap would give; ``efficiency = async / bound``. Last line:
+
+    ratio=... async_samples_per_s=... sync_samples_per_s=... bound_samples_per_s=... efficiency=...
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import dataclasses
 import json
 import logging
 import pathlib
+import statistics
 import sys
 import tempfile
 
@@ -114,20 +120,46 @@ def bench_job(output_dir: pathlib.Path, name: str, args: argparse.Namespace,
     )
 
 
-def trained_samples_per_s(run_dir: pathlib.Path) -> tuple[float, float, float]:
-    samples = seconds = 0.0
+@dataclasses.dataclass
+class RunTimes:
+    samples: float = 0.0
+    seconds: float = 0.0
+    generator_busy_s: float = 0.0
+    trainer_busy_s: float = 0.0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds
+
+    @property
+    def bound_samples_per_s(self) -> float:
+        """This work with generation and training perfectly overlapped."""
+        return self.samples / max(self.generator_busy_s, self.trainer_busy_s)
+
+
+def run_times(run_dir: pathlib.Path) -> RunTimes:
+    times = RunTimes()
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         if "time/step_s" in record:
-            samples += record["throughput/num_training_samples"]
-            seconds += record["time/step_s"]
-    return samples / seconds, samples, seconds
+            step_s = record["time/step_s"]
+            times.samples += record["throughput/num_training_samples"]
+            times.seconds += step_s
+            times.generator_busy_s += (1 - record["time/generator_idle_ratio"]) * step_s
+            times.trainer_busy_s += (1 - record["time/trainer_idle_ratio"]) * step_s
+    return times
+
+
+def median_and_spread(values: list[float]) -> tuple[float, float]:
+    middle = statistics.median(values)
+    return middle, (max(values) - min(values)) / middle
 
 
 def run(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="tiny", choices=["tiny", "demo", "small"])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--groups-per-step", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48)
@@ -137,18 +169,34 @@ def run(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     out = pathlib.Path(tempfile.mkdtemp(prefix="bench_async_vs_sync_"))
-    results = {}
-    for mode in ("sync", "async"):
-        main(bench_job(out, mode, args, mode))
-        results[mode] = trained_samples_per_s(out / mode)
-        logger.warning("%s: %.0f samples in %.1f s", mode, results[mode][1], results[mode][2])
-    ratio = results["async"][0] / results["sync"][0]
-    print(f"bench=async_vs_sync size={args.size} steps={args.steps} "
+    figures: dict[str, list[float]] = {"sync": [], "async": [], "bound": [], "ratio": [],
+                                       "efficiency": []}
+    for repeat in range(args.repeats):
+        times = {}
+        for mode in ("sync", "async"):
+            name = f"{mode}-{repeat}"
+            main(bench_job(out, name, args, mode))
+            times[mode] = run_times(out / name)
+            logger.warning("%s: %.0f samples in %.1f s", name, times[mode].samples,
+                           times[mode].seconds)
+        bound = times["sync"].bound_samples_per_s
+        figures["sync"].append(times["sync"].samples_per_s)
+        figures["async"].append(times["async"].samples_per_s)
+        figures["bound"].append(bound)
+        figures["ratio"].append(times["async"].samples_per_s / times["sync"].samples_per_s)
+        figures["efficiency"].append(times["async"].samples_per_s / bound)
+    print(f"bench=async_vs_sync size={args.size} steps={args.steps} repeats={args.repeats} "
           f"groups_per_step={args.groups_per_step} group_size={args.group_size} "
           f"long_every={args.long_every} long_turns={args.long_turns} "
           f"stop_every={args.stop_every}")
-    print(f"ratio={ratio:.2f} async_samples_per_s={results['async'][0]:.2f} "
-          f"sync_samples_per_s={results['sync'][0]:.2f}")
+    for key, values in figures.items():
+        middle, spread = median_and_spread(values)
+        print(f"{key}: median={middle:.3f} spread={spread:.1%} runs="
+              + ",".join(f"{v:.3f}" for v in values))
+    median = {key: statistics.median(values) for key, values in figures.items()}
+    print(f"ratio={median['ratio']:.2f} async_samples_per_s={median['async']:.2f} "
+          f"sync_samples_per_s={median['sync']:.2f} bound_samples_per_s={median['bound']:.2f} "
+          f"efficiency={median['efficiency']:.2f}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ it into vLLM between engine steps (torchtitan_rl/weight_sync/). Cases (transport
 write into vLLM with the version label and prefix-cache reset); ``handoff_s`` is the rest of the
 pull call (staging, the message, the wait for the engine loop). ``memcpy_s`` is one
 ``dst.copy_(src)`` of a flat buffer of the same number of bytes, in this process. All are medians
-over ``--iters`` after one warm-up. The lines are key=value (the last one is the fastest path):
+over ``--iters`` after one warm-up. The lines are key=value; the last one is the path a run ships
+with on one machine (``trainer.weight_transport = "auto"`` and ``generator.weight_sync.load =
+"auto"`` pick shared memory and in-place copies there; across machines "auto" is the message):
 
     bench=weight_sync size=small transport=shared_memory load=in_place ... sync_s=... ratio=...
 """

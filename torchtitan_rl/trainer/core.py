@@ -20,7 +20,6 @@ repeats the uninterrupted one bit for bit on the same hardware and thread count.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -43,6 +42,7 @@ from torchtitan_rl.models.qwen3 import (
     torchtitan_qwen3_config,
 )
 from torchtitan_rl.trainer import checkpoint as ckpt
+from torchtitan_rl.trainer.batch_log import BatchLog
 from torchtitan_rl.trainer.batcher import TrainingBatch
 from torchtitan_rl.trainer.flops import UtilizationMeter
 from torchtitan_rl.trainer.loss import MAX_KEYS, SUM_KEYS, GRPOLoss, finalize_loss_metrics
@@ -106,12 +106,9 @@ class PolicyTrainerCore(Configurable):
         give each rank cores / ranks (spinning OpenMP threads on shared cores stall training)."""
         loss: GRPOLoss.Config = dataclasses.field(default_factory=GRPOLoss.Config)
         debug_batch_log: str = ""
-        """Debugging and tests only; empty (the default) writes nothing. A JSONL file to which
-        forward_backward appends one line per microbatch it trains on: policy_version, rank,
-        dp_rank, microbatch and, as [rows][seq_len] lists, the input_ids, positions,
-        document_ids and loss_mask the loss used (what reached this rank). A path relative to
-        the trainer process's working directory; rank r > 0 writes ``<path>.rank<r>``. Never
-        truncated (a resumed run appends); large, so for tiny runs."""
+        """Debugging and tests only ("" writes nothing): a JSONL file getting one line per
+        microbatch each rank trains on, with its input_ids, positions, document_ids and loss_mask
+        (trainer/batch_log.py; rank r > 0 writes ``<path>.rank<r>``; large: tiny runs only)."""
 
         def __post_init__(self) -> None:
             if self.lr_warmup_steps < 0:
@@ -187,8 +184,8 @@ class PolicyTrainerCore(Configurable):
             self.rank, self.world_size, self.dp_size, config.tensor_parallel_degree,
             config.dtype, self.device,
         )
-        self.batch_log_path = _batch_log_path(config.debug_batch_log, self.rank)
-        """``trainer.debug_batch_log`` for this rank; None when off."""
+        self.batch_log = (BatchLog(config.debug_batch_log, self.rank)
+                          if config.debug_batch_log else None)
 
     # ---- training -------------------------------------------------------------------------
 
@@ -206,8 +203,9 @@ class PolicyTrainerCore(Configurable):
         for index in range(batch.num_microbatches):
             data = {k: v.to(self.device) for k, v in batch.microbatch(index, self.dp_rank).items()}
             self.utilization.count(data["document_ids"])
-            if self.batch_log_path is not None:
-                self._log_microbatch(index, data)
+            if self.batch_log is not None:
+                self.batch_log.write(policy_version=self.policy_version, dp_rank=self.dp_rank,
+                                     microbatch=index, data=data)
             with self._autocast():
                 logits = self._logits(data["input_ids"], data["positions"])
             logprobs, entropy = _logprobs_and_entropy(logits, data["labels"])
@@ -231,16 +229,6 @@ class PolicyTrainerCore(Configurable):
         metrics.update(batch.metrics)
         metrics["trainer/forward_backward_s"] = time.perf_counter() - start
         return metrics
-
-    def _log_microbatch(self, index: int, data: dict[str, torch.Tensor]) -> None:
-        """One line of ``trainer.debug_batch_log``: what this rank trains on in microbatch
-        ``index``."""
-        record = {"policy_version": self.policy_version, "rank": self.rank,
-                  "dp_rank": self.dp_rank, "microbatch": index}
-        for name in ("input_ids", "positions", "document_ids", "loss_mask"):
-            record[name] = data[name].to(torch.int64).tolist()
-        with open(self.batch_log_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
 
     def optim_step(self) -> dict[str, float]:
         """Clip gradients, AdamW step at the warm-up learning rate, zero grads, bump the version.
@@ -390,12 +378,6 @@ class PolicyTrainerCore(Configurable):
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
         return sums.cpu(), maxima.cpu()
-
-
-def _batch_log_path(setting: str, rank: int) -> str | None:
-    if not setting:
-        return None
-    return setting if rank == 0 else f"{setting}.rank{rank}"
 
 
 def _device_type(device: str) -> str:
