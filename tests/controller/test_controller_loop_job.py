@@ -222,7 +222,7 @@ def test_generator_killed_mid_step_is_replaced_and_nothing_is_lost(tmp_path, sta
     log = LogWatch(proc.stderr)
     try:
         # generator_0's pid, from the controller's log; kill it from outside once step 1 trained
-        started = log.wait_for(r"generator generator_0 started \(tp=1, pids (\d+),")
+        started = log.wait_for(r"generator generator_0 started \(tp=1, pids (\d+) ")
         log.wait_for(r"step=1 ")
         os.kill(int(started.group(1)), signal.SIGKILL)
         proc.wait(timeout=600)

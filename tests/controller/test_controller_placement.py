@@ -59,12 +59,12 @@ def test_job_over_simulated_hosts_trains_as_on_one_host(local_and_process_runs):
         for run in (local_metrics, process_metrics):
             assert run[step]["router/generator_0/num_routed"] > 0
             assert run[step]["router/generator_1/num_routed"] > 0  # the TP-2 generator served
-    # Same machine: one shared-memory copy per generator. Simulated hosts: the message carries
-    # the weights to every rank (1 + 2 ranks).
+    # Same machine: one shared-memory copy per generator. Simulated hosts: one message per
+    # generator host; the TP-2 generator's rank 0 shares it with rank 1 on that host.
     assert local_metrics[0]["weight_sync/generators_by_shared_memory"] == 2
-    assert local_metrics[0]["weight_sync/bytes_moved"] == 2 * TINY_MODEL_BYTES
     assert process_metrics[0]["weight_sync/generators_by_shared_memory"] == 0
-    assert process_metrics[0]["weight_sync/bytes_moved"] == 3 * TINY_MODEL_BYTES
+    for run in (local_metrics, process_metrics):
+        assert run[0]["weight_sync/bytes_moved"] == 2 * TINY_MODEL_BYTES
 
 
 def _free_port() -> int:

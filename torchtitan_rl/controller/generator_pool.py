@@ -259,12 +259,9 @@ class GeneratorPool:
 
 
 def _bytes_moved(generator: GeneratorHandle, metrics: dict[str, float]) -> float:
-    """Bytes one push moved between processes: the message carries the weights to every rank;
-    shared memory, one copy into the segment that every rank reads."""
-    size = metrics.get("weight_sync/bytes", 0.0)
-    if generator.weight_transport == "message":
-        return size * generator.config.tensor_parallel_degree
-    return size
+    """Bytes one push moved to the generator's host: once, by message or by shared memory
+    (the host's ranks read the one copy, weight_sync/push.py ``pull_once_per_host``)."""
+    return metrics.get("weight_sync/bytes", 0.0)
 
 
 async def _until_lost(generator: GeneratorHandle, call: Awaitable[T]) -> T:

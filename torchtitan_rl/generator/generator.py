@@ -41,7 +41,7 @@ from torchtitan_rl.generator.config import WeightSyncPolicy
 from torchtitan_rl.generator.engine_loop import EngineLoop, StepStats
 from torchtitan_rl.generator.vllm_engine import unlink_cpu_tp_segments
 from torchtitan_rl.types import Completion, GenerateRequest, Sampling
-from torchtitan_rl.weight_sync.shared_memory import machine_id
+from torchtitan_rl.weight_sync.shared_memory import SharedMemoryStager, machine_id
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,7 @@ class Generator(Actor, Configurable):
         self._no_calls_waiting = asyncio.Event()
         self._no_calls_waiting.set()
         self.num_generate_calls = 0
+        self._host_stager: SharedMemoryStager | None = None
 
     # ---- endpoints, in call order ---------------------------------------------------------------
     @concurrent_endpoint
@@ -146,6 +147,19 @@ class Generator(Actor, Configurable):
         maybe_kill("kill_generator_after_requests", self.num_generate_calls)
         async with self._waiting_call():
             return await self._loop().generate(request)
+
+    @concurrent_endpoint
+    async def share_on_host(self, state_dict: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
+        """Rank 0 of a tensor-parallel generator: copy weights that came by message into a
+        shared segment on this host and return references, so the message crosses to the host
+        once and every rank reads the one copy (weight_sync/push.py ``pull_once_per_host``).
+        The segment is reused at the next push, after every rank has pulled this one. The
+        references travel as plain fields (a SharedTensorRef would attach wherever the reply is
+        unpickled: on the pusher's host)."""
+        if self._host_stager is None:
+            self._host_stager = SharedMemoryStager()
+        return {name: dataclasses.astuple(ref)
+                for name, ref in self._host_stager.stage(state_dict).items()}
 
     @concurrent_endpoint
     async def pull_model_state_dict(
@@ -173,6 +187,8 @@ class Generator(Actor, Configurable):
         await self._no_calls_waiting.wait()
         if self.config.tensor_parallel_degree > 1:
             unlink_cpu_tp_segments()
+        if self._host_stager is not None:
+            self._host_stager.close()
 
     @concurrent_endpoint
     async def get_policy_version(self) -> int:

@@ -32,7 +32,7 @@ from monarch.actor import Future, HostMesh, ProcMesh, this_host
 
 from torchtitan_rl.generator.generator import Generator
 from torchtitan_rl.types import Completion, GenerateRequest
-from torchtitan_rl.weight_sync.push import WeightTransport
+from torchtitan_rl.weight_sync.push import WeightTransport, pull_once_per_host
 
 logger = logging.getLogger(__name__)
 
@@ -127,9 +127,10 @@ class GeneratorHandle:
     async def pull_model_state_dict(
         self, policy_version: int, state_dict: dict[str, Any]
     ) -> list[dict[str, float]]:
-        """Every rank receives the full state dict (vLLM's loaders shard it for TP); returns once
-        every rank has pulled it, with each rank's ``convert_s`` / ``load_s``, by rank."""
-        values = await self.actors.pull_model_state_dict.call(policy_version, state_dict)
+        """Every rank reads the full state dict (vLLM's loaders shard it for TP; tensors cross
+        to the host once, see ``pull_once_per_host``); returns once every rank has pulled it,
+        with each rank's ``convert_s`` / ``load_s``, by rank."""
+        values = await pull_once_per_host(self.actors, policy_version, state_dict)
         return [value for _, value in sorted(values.items(), key=lambda kv: kv[0].rank)]
 
     async def read_hf_weights(self) -> list[dict[str, torch.Tensor]]:
@@ -167,6 +168,22 @@ class GeneratorHandle:
                 await asyncio.wait_for(self.procs.stop(), timeout_s)
 
 
+async def _start_every_rank(actors: Any, tp: int) -> list[int]:
+    """Start every rank; their pids by rank. The first rank to fail fails the start at once: its
+    peers would wait for it in torch's rendezvous forever."""
+    starts = [asyncio.ensure_future(actors.slice(procs=rank).start.call_one())
+              for rank in range(tp)]
+    try:
+        done, _ = await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
+        for start in done:
+            if start.exception() is not None:
+                raise start.exception()  # type: ignore[misc]
+        return [start.result() for start in starts]
+    finally:
+        for start in starts:
+            start.cancel()
+
+
 async def spawn_generator(
     config: Generator.Config, *, name: str = "generator", host: HostMesh | None = None,
     on_lost: Callable[[GeneratorHandle, str], None] | None = None,
@@ -182,11 +199,10 @@ async def spawn_generator(
 
             await setup_torch_elastic_env_async(procs)
         actors = procs.spawn(name, Generator, config)
-        started = await actors.start.call()
-        pids = [pid for _, pid in sorted(started.items(), key=lambda kv: kv[0].rank)]
+        pids = await _start_every_rank(actors, tp)
         machine = await actors.slice(procs=0).get_machine_id.call_one()
     except BaseException:
-        await procs.stop()
+        await asyncio.wait_for(procs.stop(), 60.0)
         raise
     logger.info("generator %s started (tp=%d, pids %s on %s, model %s)", name, tp,
                 ",".join(map(str, pids)), machine, config.model_dir)

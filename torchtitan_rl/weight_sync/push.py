@@ -2,7 +2,9 @@
 
     every trainer rank: full_model_state_dict()   (a collective: the caller gathers first)
     rank 0: WeightPusher.push(policy_version, state_dict, target, transport=, verify=)
-      transport "message":        the tensors travel in the pull call itself (any host)
+      transport "message":        the tensors travel in a call to the generator's host (any
+                                  host): to rank 0 alone, which shares them with the other
+                                  ranks of its host through shared memory (once per host)
       transport "shared_memory":  one copy into a POSIX shared segment, references in the call
                                   (same host only, shared_memory.py)
       target.pull_model_state_dict(policy_version, payload)   every generator rank pulls
@@ -26,7 +28,7 @@ import torch
 
 from torchtitan_rl.models.qwen3 import hf_state_dict_from_torchtitan
 from torchtitan_rl.weight_sync.pull import weight_mismatches
-from torchtitan_rl.weight_sync.shared_memory import SharedMemoryStager
+from torchtitan_rl.weight_sync.shared_memory import SharedMemoryStager, SharedTensorRef
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class ActorMeshTarget:
     async def pull_model_state_dict(
         self, policy_version: int, state_dict: dict[str, Any]
     ) -> list[PullTimings | None]:
-        values = await self.actors.pull_model_state_dict.call(policy_version, state_dict)
+        values = await pull_once_per_host(self.actors, policy_version, state_dict)
         return [value for _, value in values.items()]
 
     async def read_hf_weights(self) -> list[dict[str, torch.Tensor]]:
@@ -134,6 +136,19 @@ class WeightPusher:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+
+
+async def pull_once_per_host(actors: Any, policy_version: int,
+                             state_dict: dict[str, Any]) -> Any:
+    """Every rank of one generator (its ranks share a host) pulls ``state_dict``. Tensors (the
+    message transport) go to rank 0 only, which puts them in shared memory for its host's
+    ranks (``Generator.share_on_host``); references (already shared) go to every rank as they
+    are. Returns the ranks' values (Monarch's ValueMesh)."""
+    shared = any(isinstance(value, SharedTensorRef) for value in state_dict.values())
+    if len(actors) > 1 and not shared:
+        fields = await actors.slice(procs=0).share_on_host.call_one(state_dict)
+        state_dict = {name: SharedTensorRef(*ref) for name, ref in fields.items()}
+    return await actors.pull_model_state_dict.call(policy_version, state_dict)
 
 
 def num_bytes(state_dict: dict[str, torch.Tensor]) -> int:
