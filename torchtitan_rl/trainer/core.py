@@ -295,10 +295,13 @@ class PolicyTrainerCore(Configurable):
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         """torchtitan-named plain full tensors (collective over the trainer ranks; a tied weight
         is gathered once and appears under both names)."""
-        full: dict[int, torch.Tensor] = {}
+        full: dict[tuple[int, int], torch.Tensor] = {}
         result = {}
         for name, tensor in self.model.state_dict().items():
-            key = id(tensor)
+            # state_dict() detaches each name into a new tensor object: a tied weight is found
+            # by its storage, so it is gathered and sent once (a message pickles it once).
+            local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+            key = (local.untyped_storage().data_ptr(), local.storage_offset())
             if key not in full:
                 value = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                 full[key] = value.detach()
