@@ -1,6 +1,7 @@
 """Run a tiny job in its own process (for tests that kill it): python -m tests.controller.run_tiny_job
 OUTPUT_DIR NAME NUM_STEPS [--resume] [--num-prompts N] [--staleness S] [--partial-rollout abort]
-[--num-generators N] [--max-restarts N] [--max-skipped-in-row N] [--placement KIND]. Staleness 0 (the default) is synchronous training."""
+[--num-generators N] [--max-restarts N] [--max-skipped-in-row N] [--placement KIND]
+[--generator-tp 1,2]. Staleness 0 (the default) is synchronous training."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-restarts", type=int, default=3)
     parser.add_argument("--max-skipped-in-row", type=int, default=3)
     parser.add_argument("--placement", default="local")
+    parser.add_argument("--generator-tp", default="", help="one TP degree per generator")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = tiny_job(args.output_dir, args.name, num_steps=args.num_steps,
@@ -42,6 +44,7 @@ def run(argv: list[str] | None = None) -> None:
                                        resume="must" if args.resume else "never"),
         num_generators=args.num_generators,
         placement=Placement.Config(kind=args.placement),
+        generator_tensor_parallel_degrees=[int(tp) for tp in args.generator_tp.split(",") if tp],
         generator=dataclasses.replace(config.generator, max_restarts=args.max_restarts),
     )
     sys.exit(run_and_report(config))

@@ -26,12 +26,23 @@ TINY_MODEL_BYTES = 558_848
 """One push of the tiny model's weights (float32; its tied embedding and output head once)."""
 
 
-def _two_generator_job(out: pathlib.Path, name: str, placement: Placement.Config,
-                       **loop_kwargs) -> object:
-    """Two generators, the second tensor-parallel 2 (the rank-0 LoopDecision broadcast in a job)."""
-    config = tiny_job(out, name, num_steps=3, **loop_kwargs)
-    return dataclasses.replace(config, num_generators=2, generator_tensor_parallel_degrees=[1, 2],
-                               placement=placement)
+def _run_two_generator_job(out: pathlib.Path, placement: str) -> pathlib.Path:
+    """Three synchronous steps with two generators, the second tensor-parallel 2 (the rank-0
+    LoopDecision broadcast in a job). In a process of its own: monarch.job imports flask, whose
+    proxies break vLLM's kernel scan of sys.modules for any later in-process engine (the
+    generator tests build some in this pytest process)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.controller.run_tiny_job", str(out), placement, "3",
+         "--num-generators", "2", "--generator-tp", "1,2", "--placement", placement],
+        cwd=REPO_ROOT, env=_env_without_faults(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out / placement
+
+
+def _env_without_faults() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop(ENV_VAR, None)
+    return env
 
 
 def _trained(run_dir: pathlib.Path) -> list[dict]:
@@ -42,9 +53,7 @@ def _trained(run_dir: pathlib.Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def local_and_process_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("placement")
-    main(_two_generator_job(out, "local", Placement.Config(kind="local")))
-    main(_two_generator_job(out, "process", Placement.Config(kind="process")))
-    return out / "local", out / "process"
+    return _run_two_generator_job(out, "local"), _run_two_generator_job(out, "process")
 
 
 def test_job_over_simulated_hosts_trains_as_on_one_host(local_and_process_runs):
@@ -128,11 +137,10 @@ def test_a_worker_gone_before_the_run_fails_it_with_one_line(tmp_path):
 
 
 def test_a_generator_lost_on_its_host_is_replaced_on_that_host(tmp_path):
-    env = dict(os.environ)
-    env.pop(ENV_VAR, None)
+    env = _env_without_faults()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "lost", "6",
-         "--num-prompts", "12", "--placement", "process"],
+        [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "lost", "12",
+         "--num-prompts", "24", "--placement", "process"],  # long enough to read the new pid
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = LogWatch(proc.stderr)
     try:
@@ -154,17 +162,16 @@ def test_a_generator_lost_on_its_host_is_replaced_on_that_host(tmp_path):
             proc.kill()
     assert proc.returncode == 0, log.text()[-4000:]
     steps = _trained(tmp_path / "lost")
-    assert [s["step"] for s in steps] == list(range(6))
-    assert sorted(g for s in steps for g in s["group_ids"]) == list(range(12))
-    assert read_metrics(tmp_path / "lost")[5]["generator/restarts"] == 1
+    assert [s["step"] for s in steps] == list(range(12))
+    assert sorted(g for s in steps for g in s["group_ids"]) == list(range(24))
+    assert read_metrics(tmp_path / "lost")[11]["generator/restarts"] == 1
 
 
 def test_a_generator_host_lost_for_good_fails_the_run_with_one_line(tmp_path):
     """The generator's whole host (its worker and procs) dies: Monarch reports the generator
     lost (~1 min: no proc is left to report), the replacement cannot spawn there (its spawn is
     bounded), and the run fails with one line instead of waiting for the host."""
-    env = dict(os.environ)
-    env.pop(ENV_VAR, None)
+    env = _env_without_faults()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "host", "100",
          "--placement", "process"],  # one generator: the run cannot finish without its host
@@ -223,8 +230,9 @@ def test_slurm_settings_reach_monarch_slurm_job():
     assert kwargs["job_start_timeout"] == 900
     assert kwargs["mem"] is None and kwargs["cpus_per_task"] is None  # left to Slurm
     assert kwargs["python_exe"] == sys.executable
-    import inspect
-
-    from monarch.job import SlurmJob
-
-    assert set(kwargs) <= set(inspect.signature(SlurmJob).parameters)
+    # In a process of its own: monarch.job imports flask (see _run_two_generator_job).
+    names = subprocess.run(
+        [sys.executable, "-c", "import inspect; from monarch.job import SlurmJob; "
+         "print(*inspect.signature(SlurmJob).parameters)"],
+        capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    assert set(kwargs) <= set(names)
