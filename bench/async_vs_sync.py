@@ -11,8 +11,8 @@ slowest groups while the generator batch runs nearly empty and the trainer idles
 for the trainer (two cores), no validation and no checkpoints; samples/s is training samples over
 the loop's wall time (sum of ``time/step_s``, the step windows tile the loop).
 
-Each repeat runs sync then async; the figures are medians over repeats, with their spread
-((max - min) / median). The bound: the sync run's work at a step time equal to the busier of the
+Each repeat runs sync then async, after ``--warmup`` uncounted pairs; the figures are medians
+over repeats, with their spread ((max - min) / median). The bound: the sync run's work at a step time equal to the busier of the
 generator and the trainer (their busy seconds in the sync run, from the idle ratios), i.e. what a
 perfect overlap would give; ``efficiency = async / bound``. Last line:
 
@@ -160,6 +160,8 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", default="tiny", choices=["tiny", "demo", "small"])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="sync + async pairs run first and not counted (cold caches)")
     parser.add_argument("--groups-per-step", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48)
@@ -171,7 +173,7 @@ def run(argv: list[str] | None = None) -> None:
     out = pathlib.Path(tempfile.mkdtemp(prefix="bench_async_vs_sync_"))
     figures: dict[str, list[float]] = {"sync": [], "async": [], "bound": [], "ratio": [],
                                        "efficiency": []}
-    for repeat in range(args.repeats):
+    for repeat in range(-args.warmup, args.repeats):
         times = {}
         for mode in ("sync", "async"):
             name = f"{mode}-{repeat}"
@@ -179,6 +181,8 @@ def run(argv: list[str] | None = None) -> None:
             times[mode] = run_times(out / name)
             logger.warning("%s: %.0f samples in %.1f s", name, times[mode].samples,
                            times[mode].seconds)
+        if repeat < 0:
+            continue
         bound = times["sync"].bound_samples_per_s
         figures["sync"].append(times["sync"].samples_per_s)
         figures["async"].append(times["async"].samples_per_s)
