@@ -106,9 +106,8 @@ class PolicyTrainerCore(Configurable):
         give each rank cores / ranks (spinning OpenMP threads on shared cores stall training)."""
         loss: GRPOLoss.Config = dataclasses.field(default_factory=GRPOLoss.Config)
         debug_batch_log: str = ""
-        """Debugging and tests only ("" writes nothing): a JSONL file getting one line per
-        microbatch each rank trains on, with its input_ids, positions, document_ids and loss_mask
-        (trainer/batch_log.py; rank r > 0 writes ``<path>.rank<r>``; large: tiny runs only)."""
+        """Debugging and tests ("" = off): a JSONL file, one line per microbatch each rank trains
+        on, with its input_ids, positions, document_ids and loss_mask (trainer/batch_log.py)."""
 
         def __post_init__(self) -> None:
             if self.lr_warmup_steps < 0:
@@ -298,8 +297,7 @@ class PolicyTrainerCore(Configurable):
         full: dict[tuple[int, int], torch.Tensor] = {}
         result = {}
         for name, tensor in self.model.state_dict().items():
-            # state_dict() detaches each name into a new tensor object: a tied weight is found
-            # by its storage, so it is gathered and sent once (a message pickles it once).
+            # Each name is a new detached tensor: find a tied weight by storage (sent once).
             local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
             key = (local.untyped_storage().data_ptr(), local.storage_offset())
             if key not in full:
