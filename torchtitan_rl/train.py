@@ -109,7 +109,7 @@ def guarded(run: Callable[[], int]) -> int:
         logging.getLogger("torchtitan_rl.train").error(
             "the run raised %s", type(e).__name__, exc_info=True,
             extra={"console": False})  # the traceback: log file only (see console.py)
-        message = " ".join(str(e).split()) or type(e).__name__
+        message = _one_line(e) or type(e).__name__
         where = os.environ.get(LOG_FILE_ENV)
         print(f"error: {type(e).__name__}: {message}" + (f" (traceback: {where})" if where else ""),
               file=console_err())

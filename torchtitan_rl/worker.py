@@ -35,8 +35,7 @@ def cli(argv: list[str] | None = None) -> None:
                         help="tcp://HOST:PORT, or tcp://ADVERTISED:PORT@tcp://0.0.0.0:PORT")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not args.address.startswith(("tcp://", "ipc://", "metatls://")):
-        print(f"error: --address {args.address!r}: write tcp://HOST:PORT", file=sys.stderr)
-        sys.exit(2)
+        parser.error(f"--address {args.address!r}: write tcp://HOST:PORT")  # exits 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from monarch.actor import run_worker_loop_forever
 

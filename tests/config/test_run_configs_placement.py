@@ -6,8 +6,6 @@ placement's checks run at resolve time)."""
 from __future__ import annotations
 
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import tomli
@@ -98,13 +96,11 @@ def test_alphabet_sort_copies_differ_from_the_main_job_only_in_placement(run_con
     assert printed(run_config) == printed("run_configs/alphabet_sort_cpu.toml")
 
 
-def test_process_hosts_print_resolved_exits_zero():
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchtitan_rl.train", "--config",
-         "run_configs/alphabet_sort_process_hosts.toml", "--print-resolved"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    resolved = tomli.loads(proc.stdout)
+def test_process_hosts_print_resolved_exits_zero(monkeypatch, capsys):
+    code, out, err = _cli(monkeypatch, capsys, "--config",
+                          "run_configs/alphabet_sort_process_hosts.toml", "--print-resolved")
+    assert code == 0, err
+    resolved = tomli.loads(out)
     assert resolved["placement"]["kind"] == "process"
     assert len(resolved["generators"]) == 2
 
@@ -139,13 +135,10 @@ def test_bad_placement_is_one_error_line_naming_the_key(argv, key, message, monk
     assert lines[0].startswith("error: ") and key in lines[0] and message in lines[0], lines[0]
 
 
-def test_help_documents_the_placement_options():
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchtitan_rl.train", "--config",
-         "run_configs/alphabet_sort_process_hosts.toml", "--help"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
+def test_help_documents_the_placement_options(monkeypatch, capsys):
+    code, out, err = _cli(monkeypatch, capsys, "--config",
+                          "run_configs/alphabet_sort_process_hosts.toml", "--help")
+    assert code == 0, err
     for header in ("placement options:", "placement.slurm options:",
                    "placement.kubernetes options:"):
         assert f"\n{header}\n" in out, header

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 from torchtitan_rl.controller.checkpointer import Checkpointer
@@ -11,6 +12,7 @@ from torchtitan_rl.controller.loop import TrainingLoop
 from torchtitan_rl.controller.model_source import ModelSource
 from torchtitan_rl.controller.staleness import StalenessGate
 from torchtitan_rl.controller.validation import Validator
+from torchtitan_rl.faults import ENV_VAR
 from torchtitan_rl.generator.generator import Generator
 from torchtitan_rl.rollout.recorder import RolloutRecorder
 from torchtitan_rl.rollout.rollouter import Rollouter
@@ -52,6 +54,15 @@ def tiny_job(output_dir: pathlib.Path, name: str, *, num_steps: int = 3,
         checkpoint=Checkpointer.Config(every_steps=1),
         recorder=RolloutRecorder.Config(every_k_steps=1),
     )
+
+
+def env_without_faults(fault: str | None = None) -> dict[str, str]:
+    """This process's environment for a job subprocess: no injected fault but ``fault``."""
+    env = dict(os.environ)
+    env.pop(ENV_VAR, None)
+    if fault is not None:
+        env[ENV_VAR] = fault
+    return env
 
 
 def read_metrics(run_dir: pathlib.Path) -> dict[int, dict[str, float]]:

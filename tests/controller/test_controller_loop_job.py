@@ -21,12 +21,12 @@ from torchtitan_rl.controller.data_cursor import DataCursor
 from torchtitan_rl.controller.job import RLJob
 from torchtitan_rl.controller.loop import TrainingLoop
 from torchtitan_rl.controller.router import GeneratorRouter
-from torchtitan_rl.faults import ENV_VAR
 from torchtitan_rl.train import main
 
 from tests.controller.jobs import (
     REPO_ROOT,
     LogWatch,
+    env_without_faults,
     read_hf_weights,
     read_metrics,
     tiny_job,
@@ -51,13 +51,9 @@ def test_two_staleness_zero_runs_of_one_seed_are_identical(sync_tiny_run, tmp_pa
 
 
 def _run_tiny_job(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop(ENV_VAR, None)
-    if fault is not None:
-        env[ENV_VAR] = fault
     return subprocess.run(
         [sys.executable, "-m", "tests.controller.run_tiny_job", *args],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
+        cwd=REPO_ROOT, env=env_without_faults(fault), capture_output=True, text=True, timeout=600,
     )
 
 
@@ -211,13 +207,12 @@ def test_generator_death_past_max_restarts_fails_the_run_with_a_clear_error(tmp_
 def test_generator_killed_mid_step_is_replaced_and_nothing_is_lost(tmp_path, staleness,
                                                                    num_generators):
     num_steps, num_prompts = 6, 12
-    env = dict(os.environ)
-    env.pop(ENV_VAR, None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "lost",
          str(num_steps), "--num-prompts", str(num_prompts), "--staleness", str(staleness),
          "--num-generators", str(num_generators)],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO_ROOT, env=env_without_faults(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
     )
     log = LogWatch(proc.stderr)
     try:

@@ -17,10 +17,15 @@ import pytest
 
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.controller.placement import Placement, SlurmPlacement, slurm_job_kwargs
-from torchtitan_rl.faults import ENV_VAR
 from torchtitan_rl.train import main
 
-from tests.controller.jobs import REPO_ROOT, LogWatch, read_metrics, tiny_job
+from tests.controller.jobs import (
+    REPO_ROOT,
+    LogWatch,
+    env_without_faults,
+    read_metrics,
+    tiny_job,
+)
 
 TINY_MODEL_BYTES = 558_848
 """One push of the tiny model's weights (float32; its tied embedding and output head once)."""
@@ -34,15 +39,9 @@ def _run_two_generator_job(out: pathlib.Path, placement: str) -> pathlib.Path:
     proc = subprocess.run(
         [sys.executable, "-m", "tests.controller.run_tiny_job", str(out), placement, "3",
          "--num-generators", "2", "--generator-tp", "1,2", "--placement", placement],
-        cwd=REPO_ROOT, env=_env_without_faults(), capture_output=True, text=True, timeout=900)
+        cwd=REPO_ROOT, env=env_without_faults(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out / placement
-
-
-def _env_without_faults() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop(ENV_VAR, None)
-    return env
 
 
 def _trained(run_dir: pathlib.Path) -> list[dict]:
@@ -137,11 +136,10 @@ def test_a_worker_gone_before_the_run_fails_it_with_one_line(tmp_path):
 
 
 def test_a_generator_lost_on_its_host_is_replaced_on_that_host(tmp_path):
-    env = _env_without_faults()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "lost", "12",
          "--num-prompts", "24", "--placement", "process"],  # long enough to read the new pid
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=REPO_ROOT, env=env_without_faults(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = LogWatch(proc.stderr)
     try:
         started = log.wait_for(r"generator generator_0 started \(tp=1, pids (\d+) ")
@@ -171,11 +169,10 @@ def test_a_generator_host_lost_for_good_fails_the_run_with_one_line(tmp_path):
     """The generator's whole host (its worker and procs) dies: Monarch reports the generator
     lost (~1 min: no proc is left to report), the replacement cannot spawn there (its spawn is
     bounded), and the run fails with one line instead of waiting for the host."""
-    env = _env_without_faults()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "host", "100",
          "--placement", "process"],  # one generator: the run cannot finish without its host
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=REPO_ROOT, env=env_without_faults(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = LogWatch(proc.stderr)
     try:
         started = log.wait_for(r"generator generator_0 started \(tp=1, pids (\d+) ")

@@ -127,7 +127,8 @@ class GeneratorPool:
                 self.router.set_syncing(index, True)
                 try:
                     metrics = await _until_lost(generator, self.trainer.push_to(generator, version))
-                    moved = _bytes_moved(generator, metrics)
+                    # once per generator host, by message or shared memory (pull_once_per_host)
+                    moved = metrics.get("weight_sync/bytes", 0.0)
                     bytes_moved += moved
                     if index not in self._push_reported:
                         self._push_reported.add(index)
@@ -256,12 +257,6 @@ class GeneratorPool:
             if isinstance(result, BaseException) and not isinstance(result,
                                                                     asyncio.CancelledError):
                 logger.warning("shutdown: %r", result)
-
-
-def _bytes_moved(generator: GeneratorHandle, metrics: dict[str, float]) -> float:
-    """Bytes one push moved to the generator's host: once, by message or by shared memory
-    (the host's ranks read the one copy, weight_sync/push.py ``pull_once_per_host``)."""
-    return metrics.get("weight_sync/bytes", 0.0)
 
 
 async def _until_lost(generator: GeneratorHandle, call: Awaitable[T]) -> T:

@@ -238,12 +238,6 @@ class Generator(Actor, Configurable):
         return self.loop
 
 
-def _is_cpu_engine() -> bool:
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
-
-
 async def start_engine_loop(
     config: Generator.Config,
     *,
@@ -257,7 +251,7 @@ async def start_engine_loop(
     elastic env set (WORLD_SIZE == tensor_parallel_degree). ``wrap_engine`` wraps the built
     engine (tests inject faults with it)."""
     from torchtitan_rl.generator.loop_decision import DecisionChannel
-    from torchtitan_rl.weight_sync.pull import WeightPuller
+    from torchtitan_rl.weight_sync.pull import WeightPuller, is_cpu_platform
 
     tp = config.tensor_parallel_degree
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -271,7 +265,7 @@ async def start_engine_loop(
     engine = await loop.run_in_executor(executor, _build_engine_in_thread, config)
     load = config.weight_sync.load
     if load == "auto":  # the fast path where vLLM's CPU layout allows it
-        load = "in_place" if tp == 1 and config.enforce_eager and _is_cpu_engine() else "reload"
+        load = "in_place" if tp == 1 and config.enforce_eager and is_cpu_platform() else "reload"
         logger.info("weight_sync.load='auto': %s", load)
     puller = WeightPuller(config.model_dir, load=load)  # type: ignore[arg-type]
     await loop.run_in_executor(executor, puller.setup, engine)

@@ -96,10 +96,15 @@ def _name_cpu_tp_segments_per_mesh() -> None:
     def per_mesh_group_name(communicator: object) -> str:
         name = make_group_name(communicator)  # "<ident>-<group>-[<ranks>]-cpushm"
         ident = os.environ.get("VLLM_DIST_IDENT", "")
-        return f"ttrl{os.environ.get('MASTER_PORT', '')}{name.removeprefix(ident)}"
+        return f"{_tp_segment_prefix()}{name.removeprefix(ident)}"
 
     shm.make_group_name = staticmethod(per_mesh_group_name)  # type: ignore[method-assign]
     shm._named_per_mesh = True  # type: ignore[attr-defined]
+
+
+def _tp_segment_prefix() -> str:
+    """This mesh's TP segments start with it (MASTER_PORT: unique per live mesh)."""
+    return f"ttrl{os.environ.get('MASTER_PORT', '')}"
 
 
 def unlink_cpu_tp_segments() -> None:
@@ -107,7 +112,7 @@ def unlink_cpu_tp_segments() -> None:
     them: each TP generator would leave its segments in /dev/shm)."""
     import glob
 
-    for path in glob.glob(f"/dev/shm/ttrl{os.environ.get('MASTER_PORT', '')}-*-cpushm*"):
+    for path in glob.glob(f"/dev/shm/{_tp_segment_prefix()}-*-cpushm*"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 

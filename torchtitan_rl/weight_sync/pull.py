@@ -124,7 +124,7 @@ class WeightPuller:
         engine.collective_rpc(
             "reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True)
         )
-        if self.tied and _is_cpu():
+        if self.tied and is_cpu_platform():
             engine.apply_model(_repack_tied_lm_head)
 
     def expected_names(self) -> set[str]:
@@ -293,7 +293,8 @@ def _materialise(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach()
 
 
-def _is_cpu() -> bool:
+def is_cpu_platform() -> bool:
+    """Whether vLLM runs on its CPU platform here."""
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
