@@ -3,6 +3,7 @@
     init() -> [system?, user: turn 0 prompt]
     step(reply t) -> reward part {"turn_score": score of turn t}; then user: turn t+1 prompt, or done
     score(replies) -> alphabet_sort_reward over all expected turns (a turn never reached scores 0)
+    turn_rewards(replies) -> turn_score / expected turns per reply (they sum to score())
 
 The reply's content only matters for scoring: the next prompt is fixed by the episode.
 """
@@ -57,3 +58,9 @@ class AlphabetSortEnv(MessageEnv):
             replies, [list(g) for g in self.episode.ground_truths],
             similarity_power=self._similarity_power, power_per_turn=self._power_per_turn,
         )
+
+    def turn_rewards(self, replies: list[str], reward_parts: list[dict[str, float]]) -> list[float]:
+        if not self._power_per_turn:  # the power of a mean does not split into turns
+            raise ValueError("per-turn credit needs task.power_per_turn = true (a reward raised "
+                             "to a power after averaging has no per-turn share)")
+        return [parts.get("turn_score", 0.0) / self.episode.num_turns for parts in reward_parts]

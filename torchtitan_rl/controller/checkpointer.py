@@ -71,6 +71,8 @@ class ControllerState:
     reward_history: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     validation_history: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
     """(step, reward mean, stderr)."""
+    validation_per_turn: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The newest validation's per-turn rewards (`ValidationResult.per_turn`), for the summary."""
     rng_state: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:

@@ -218,6 +218,7 @@ class RLJob(Configurable):
         summary = {
             "reward_before": history[0][1] if history else None,
             "reward_after": history[-1][1] if history else None,
+            "reward_after_per_turn": state.validation_per_turn,
             "steps": state.step,
             "wall_s": round(time.perf_counter() - wall_start, 1),
             "run_dir": plan.run_dir,

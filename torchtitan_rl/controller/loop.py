@@ -312,9 +312,12 @@ class TrainingLoop(Configurable):
         parts = self.parts
         result = await parts.validator.run(parts.generate_fn, parts.sampling)
         self.state.validation_history.append((step, result.reward_mean, result.reward_stderr))
+        self.state.validation_per_turn = result.per_turn
         parts.metrics.log(step, result.metrics())
-        logger.info("validation step=%d reward=%.4f +- %.4f (%d rollouts)", step,
-                    result.reward_mean, result.reward_stderr, result.num_rollouts,
+        per_turn = "".join(f", {key} {value:.4f}" for key, value in result.per_turn.items()
+                           if len(result.per_turn) > 1)
+        logger.info("validation step=%d reward=%.4f +- %.4f (%d rollouts%s)", step,
+                    result.reward_mean, result.reward_stderr, result.num_rollouts, per_turn,
                     extra=CONSOLE)
 
     # ---- the trained-samples log: which groups and samples every step trained on -----------------

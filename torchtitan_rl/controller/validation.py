@@ -18,6 +18,7 @@ from typing import Any
 
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.generator import GeneratorLostError
+from torchtitan_rl.rollout.metrics import per_turn_reward_parts
 from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.rollout.types import RolloutGroup
 from torchtitan_rl.types import GenerateFn, Sampling
@@ -32,10 +33,14 @@ class ValidationResult:
     reward_mean: float
     reward_stderr: float
     num_rollouts: int
+    per_turn: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Mean of each per-turn reward part over the rollouts that reached the turn, keyed
+    ``turn_{t}/{part}`` (t from 1), e.g. AlphabetSort's ``turn_2/turn_score``."""
 
     def metrics(self, prefix: str = "validation") -> dict[str, float]:
         return {f"{prefix}/reward_mean": self.reward_mean,
-                f"{prefix}/reward_stderr": self.reward_stderr}
+                f"{prefix}/reward_stderr": self.reward_stderr,
+                **{f"{prefix}/{key}": value for key, value in self.per_turn.items()}}
 
 
 class Validator(Configurable):
@@ -94,4 +99,7 @@ class Validator(Configurable):
         rewards = [r for g in groups for r in g.rewards]
         mean = statistics.fmean(rewards) if rewards else float("nan")
         stderr = statistics.stdev(rewards) / math.sqrt(len(rewards)) if len(rewards) > 1 else 0.0
-        return ValidationResult(reward_mean=mean, reward_stderr=stderr, num_rollouts=len(rewards))
+        per_turn = {f"turn_{turn}/{name}": statistics.fmean(values)
+                    for (turn, name), values in per_turn_reward_parts(groups).items()}
+        return ValidationResult(reward_mean=mean, reward_stderr=stderr, num_rollouts=len(rewards),
+                                per_turn=per_turn)

@@ -78,15 +78,12 @@ def summarize(groups: Sequence[RolloutGroup], *, reward_mean: float, reward_stde
         raise ValueError("no validation groups to summarize")
     k = len(groups[0].rollouts)
     passes = [sum(r.reward >= pass_threshold for r in g.rollouts) for g in groups]
-    parts: dict[tuple[int, str], list[float]] = {}
-    for group in groups:
-        for rollout in group.rollouts:
-            for turn in rollout.turns:
-                for name, value in turn.reward_parts.items():
-                    parts.setdefault((turn.turn_index + 1, name), []).append(float(value))
+    from torchtitan_rl.rollout.metrics import per_turn_reward_parts
+
+    parts = per_turn_reward_parts(list(groups))
     per_turn = [TurnReward(turn=turn, part=name, mean=statistics.fmean(values),
                            stderr=_stderr(values), num_rollouts=len(values))
-                for (turn, name), values in sorted(parts.items())]
+                for (turn, name), values in parts.items()]
     return EvalReport(
         reward_mean=reward_mean, reward_stderr=reward_stderr,
         num_rollouts=sum(len(g.rollouts) for g in groups), num_episodes=len(groups),

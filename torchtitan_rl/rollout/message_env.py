@@ -3,6 +3,8 @@
     TokenEnv --init()--> MessageEnv --prompt messages--> TokenEnv
     TokenEnv --step(assistant message)--> MessageEnv --EnvStep(messages, done, reward_parts)--> TokenEnv
     Rollouter --score(replies, reward_parts)--> MessageEnv --float--> Rollouter
+    Rollouter --turn_rewards(replies, reward_parts)--> MessageEnv --[float per turn]--> Rollouter
+              (only with rollouter.credit = "turn")
     Rollouter --close()--> MessageEnv (always, also after an error)
 
 One MessageEnv serves exactly one rollout.
@@ -50,6 +52,12 @@ class MessageEnv(abc.ABC):
         """The rollout's final reward from the assistant's reply per turn and the per-turn reward
         parts (one dict per reply; empty where the env was not stepped). Default: sum of all parts."""
         return float(sum(sum(parts.values()) for parts in reward_parts))
+
+    def turn_rewards(self, replies: list[str], reward_parts: list[dict[str, float]]) -> list[float]:
+        """Each turn's share of the reward, for per-turn credit (`rollouter.credit = "turn"`): one
+        value per reply, summing to score() where the score is a sum over turns. Default: the sum
+        of each turn's parts (matching the default score)."""
+        return [float(sum(parts.values())) for parts in reward_parts]
 
     async def close(self) -> None:
         """Release what the env holds. Default: nothing. Must be idempotent."""

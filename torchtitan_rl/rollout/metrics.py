@@ -24,6 +24,18 @@ def _summary(prefix: str, values: list[float]) -> dict[str, float]:
     }
 
 
+def per_turn_reward_parts(groups: list[RolloutGroup]) -> dict[tuple[int, str], list[float]]:
+    """Every reward part the environment reported, by (1-based turn, part name), over the rollouts
+    that reached that turn (e.g. AlphabetSort's ``(2, "turn_score")``: turn 2's scores)."""
+    parts: dict[tuple[int, str], list[float]] = {}
+    for group in groups:
+        for rollout in group.rollouts:
+            for turn in rollout.turns:
+                for name, value in turn.reward_parts.items():
+                    parts.setdefault((turn.turn_index + 1, name), []).append(float(value))
+    return dict(sorted(parts.items()))
+
+
 def rollout_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
     """Metrics of every rollout in ``groups`` (dropped groups included: they were generated)."""
     rollouts = [r for g in groups for r in g.rollouts]
@@ -44,6 +56,8 @@ def rollout_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
     metrics["rollout/branches_per_rollout"] = statistics.fmean(
         len(split_branches(r.turns)) for r in rollouts)
     metrics.update(_summary("rollout_reward/", [r.reward for r in rollouts]))
+    for (turn, name), values in per_turn_reward_parts(groups).items():
+        metrics[f"rollout_reward/turn_{turn}/{name}"] = statistics.fmean(values)
     metrics.update(_summary("rollout/output_tokens_",
                             [float(r.num_output_tokens) for r in rollouts]))
     for status in RolloutStatus:

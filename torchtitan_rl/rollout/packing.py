@@ -6,8 +6,8 @@ Example (P prompt tokens, C completion tokens, E env tokens; the env edits histo
     turn 2: prompt [P2]            completion [C3]      does not extend -> branch 1
     -> group=G/rollout=R/branch=0: [P1 C1 E1 C2]  mask [0 1 0 1]
        group=G/rollout=R/branch=1: [P2 C3]        mask [0 1]
-Completion tokens carry mask 1, the generator's logprob (NaN kept as given), the rollout's advantage
-and the policy version that sampled them; prompt and env tokens carry 0, 0.0, 0.0 and -1.
+Completion tokens carry mask 1, the generator's logprob (NaN kept as given), their turn's advantage
+(per-turn credit) or else the rollout's, and the policy version that sampled them; prompt and env tokens carry 0, 0.0, 0.0 and -1.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def rollout_to_training_samples(rollout: Rollout) -> list[TrainingSample]:
             token_ids += delta + completion
             loss_mask += [0] * len(delta) + [1] * len(completion)
             logprobs += [0.0] * len(delta) + list(turn.completion_logprobs)
-            advantages += [0.0] * len(delta) + [rollout.advantage] * len(completion)
+            advantage = rollout.advantage if turn.advantage is None else turn.advantage
+            advantages += [0.0] * len(delta) + [advantage] * len(completion)
             versions += [-1] * len(delta) + list(turn.policy_versions)
         samples.append(TrainingSample(
             sample_id=f"{rollout.session_id}/branch={branch_index}",

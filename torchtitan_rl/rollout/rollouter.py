@@ -7,6 +7,7 @@
             -> TokenEnv.step(completion)] x turns
         -> MessageEnv.score(replies, reward parts) -> close()
     Rollouter: group_advantages(rewards) -> RolloutGroup (dropped when it carries no signal)
+               (credit "turn": also MessageEnv.turn_rewards -> one advantage per turn index)
 
 Reproducibility: each request's seed is a hash of (base seed, group_id, rollout index, turn), never a
 draw from a shared RNG, so a group's tokens do not depend on what else runs or in which order.
@@ -20,9 +21,10 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.rollout.advantage import AdvantageStd, group_advantages
@@ -76,6 +78,15 @@ class Rollouter(Configurable):
         reward std with Bessel's correction (n - 1), + 1e-6: GRPO as verl and TRL compute it.
         "population": divided by the std over n (this project's GRPO before). "none": not scaled,
         the mean baseline only (Dr. GRPO; what `std_normalize = false` was)."""
+        credit: Literal["rollout", "turn"] = "rollout"
+        """Which advantage a reply's tokens take. "rollout": the rollout's, one per episode (GRPO
+        as verl and SkyRL apply it to multi-turn rollouts). "turn": their turn's own, the
+        group-relative advantage (same advantage_std) of the turn's return G_t = r_t +
+        turn_discount * G_{t+1} among the siblings that reached turn t, where r_t is the env's
+        `MessageEnv.turn_rewards`: a turn is judged by what it and the turns after it earned, not
+        by the turns before it."""
+        turn_discount: float = 1.0
+        """gamma in G_t (credit "turn"): 1 = reward to go, 0 = each turn's own reward only."""
         drop_zero_std_groups: bool = True
         """Drop (and count) groups whose counted rewards are all equal: zero advantage everywhere."""
         error_reward: float | None = None
@@ -93,6 +104,10 @@ class Rollouter(Configurable):
                 raise ValueError(
                     f"max_rollout_tokens must be >= 2, got {self.max_rollout_tokens}"
                 )
+            if self.credit not in ("rollout", "turn"):
+                raise ValueError(f"credit must be 'rollout' or 'turn', got {self.credit!r}")
+            if not 0.0 <= self.turn_discount <= 1.0:
+                raise ValueError(f"turn_discount must be in [0, 1], got {self.turn_discount}")
             if self.step_timeout_s is not None and self.step_timeout_s <= 0:
                 raise ValueError(
                     f"step_timeout_s must be > 0 or None, got {self.step_timeout_s}"
@@ -235,18 +250,53 @@ class Rollouter(Configurable):
         if rollout.status.is_error:
             rollout.reward = self._error_reward()
             return
+        parts = [t.reward_parts for t in rollout.turns]
         try:
-            rollout.reward = float(message_env.score(
-                rollout.replies, [t.reward_parts for t in rollout.turns]
-            ))
+            rollout.reward = float(message_env.score(rollout.replies, parts))
+            if self.config.credit == "turn":
+                self._fill_turn_rewards(message_env, rollout, parts)
         except Exception as e:
             logger.warning("%s: score raised", rollout.session_id, exc_info=True)
             rollout.status = RolloutStatus.ERROR_ENV
             rollout.error = f"score raised {e!r}"
             rollout.reward = self._error_reward()
 
+    @staticmethod
+    def _fill_turn_rewards(message_env: MessageEnv, rollout: Rollout,
+                           parts: list[dict[str, float]]) -> None:
+        rewards = [float(r) for r in message_env.turn_rewards(rollout.replies, parts)]
+        if len(rewards) != len(rollout.turns) or not all(math.isfinite(r) for r in rewards):
+            raise ValueError(f"turn_rewards gave {rewards} for {len(rollout.turns)} turns (one "
+                             "finite value per turn expected)")
+        for turn, reward in zip(rollout.turns, rewards):
+            turn.reward = reward
+
     def _error_reward(self) -> float:
         return 0.0 if self.config.error_reward is None else self.config.error_reward
+
+    def _fill_turn_advantages(self, group: RolloutGroup) -> str | None:
+        """Set each counted turn's advantage from the returns of its siblings' same turn; the
+        group has no signal ("zero_std") only when no turn index has any spread."""
+        gamma = self.config.turn_discount
+        returns: dict[int, list[float]] = {}  # rollout index -> G_t per turn
+        for i, rollout in enumerate(group.rollouts):
+            if rollout.advantage is None:
+                continue
+            to_go, values = 0.0, []
+            for turn in reversed(rollout.turns):
+                to_go = float(turn.reward or 0.0) + gamma * to_go
+                values.append(to_go)
+            returns[i] = values[::-1]
+        spread = False
+        for t in range(max((len(v) for v in returns.values()), default=0)):
+            reached = [i for i, values in returns.items() if len(values) > t]
+            advantages, no_signal = group_advantages(
+                [returns[i][t] for i in reached], [True] * len(reached),
+                advantage_std=self.config.advantage_std)
+            spread |= no_signal is None
+            for i, advantage in zip(reached, advantages):
+                group.rollouts[i].turns[t].advantage = advantage
+        return None if spread else "zero_std"
 
     def _fill_advantages(self, group: RolloutGroup) -> None:
         counted = [not r.status.is_error or self.config.error_reward is not None
@@ -256,6 +306,8 @@ class Rollouter(Configurable):
         )
         for rollout, advantage in zip(group.rollouts, advantages, strict=True):
             rollout.advantage = advantage
+        if self.config.credit == "turn" and no_signal != "all_errored":
+            no_signal = self._fill_turn_advantages(group)
         if no_signal == "all_errored" or (no_signal and self.config.drop_zero_std_groups):
             group.dropped = True
             group.drop_reason = no_signal

@@ -68,6 +68,11 @@ class RolloutTurn:
     drift: bool = False
     """True when re-rendering the whole history after this turn would not extend
     prompt + completion tokens (what a re-tokenising loop would have broken)."""
+    reward: float | None = None
+    """This turn's share of the rollout's reward (`MessageEnv.turn_rewards`); set with per-turn
+    credit only."""
+    advantage: float | None = None
+    """This turn's own advantage (per-turn credit); None: its tokens take the rollout's."""
     num_special_tokens: int = 0
     """Special tokens (the tokenizer's, e.g. the pad <|endoftext|> or <|im_start|>) sampled inside
     the reply; the end-of-turn token that ends a stopped reply does not count. They are trained on
