@@ -3,7 +3,7 @@
     init() -> [system?, user: turn 0 prompt]
     step(reply t) -> reward part {"turn_score": score of turn t}; then user: turn t+1 prompt, or done
     score(replies) -> alphabet_sort_reward over all expected turns (a turn never reached scores 0)
-    turn_rewards(replies) -> turn_score / expected turns per reply (they sum to score())
+    turn_rewards(replies) -> each reply's turn_score (score() is their mean over expected turns)
 
 The reply's content only matters for scoring: the next prompt is fixed by the episode.
 """
@@ -63,4 +63,4 @@ class AlphabetSortEnv(MessageEnv):
         if not self._power_per_turn:  # the power of a mean does not split into turns
             raise ValueError("per-turn credit needs task.power_per_turn = true (a reward raised "
                              "to a power after averaging has no per-turn share)")
-        return [parts.get("turn_score", 0.0) / self.episode.num_turns for parts in reward_parts]
+        return [parts.get("turn_score", 0.0) for parts in reward_parts]

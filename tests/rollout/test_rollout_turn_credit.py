@@ -67,7 +67,7 @@ def test_rollout_credit_leaves_turn_advantages_unset() -> None:
     assert all(t.advantage is None and t.reward is None for r in group.rollouts for t in r.turns)
 
 
-def test_alphabet_sort_turn_rewards_sum_to_the_score() -> None:
+def test_alphabet_sort_turn_rewards_are_the_turn_scores() -> None:
     task = AlphabetSortTask.Config(min_turns=2, max_turns=2).build()
     episode = task.dataset("train")[0]
     env = task.make_env(episode)
@@ -75,8 +75,8 @@ def test_alphabet_sort_turn_rewards_sum_to_the_score() -> None:
 
     replies = [solved_reply(episode, 0), "no answer"]
     parts = [{"turn_score": 1.0}, {"turn_score": 0.0}]
-    assert env.turn_rewards(replies, parts) == [0.5, 0.0]
-    assert sum(env.turn_rewards(replies, parts)) == pytest.approx(env.score(replies, parts))
+    assert env.turn_rewards(replies, parts) == [1.0, 0.0]  # a one-turn episode's scale
+    assert env.score(replies, parts) == pytest.approx(0.5)  # their mean
 
     powered_mean = AlphabetSortTask.Config(min_turns=2, max_turns=2,
                                            power_per_turn=False).build()

@@ -20,7 +20,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from torchtitan_rl.config.configurable import Configurable
@@ -29,6 +29,10 @@ from torchtitan_rl.console import progress_bar
 logger = logging.getLogger(__name__)
 
 Conversation = list[dict[str, str]]
+Example = tuple[list[int], list[int]]
+"""(token ids, assistant mask) of one conversation."""
+
+LENGTH_GROUP_BATCHES = 8
 
 
 class WarmStart(Configurable):
@@ -46,6 +50,10 @@ class WarmStart(Configurable):
         warmup_steps: int = 20
         num_conversations: int = 4096
         """Distinct solved training conversations to sample batches from."""
+        group_by_length: bool = False
+        """Draw `LENGTH_GROUP_BATCHES` batches of conversations at once, sort them by length and
+        cut them into batches (HF Trainer's group_by_length): far less padding where
+        conversations differ in length (multi-turn episodes), the same conversations seen."""
         cache_dir: str = "assets/warmstart"
 
         def __post_init__(self) -> None:
@@ -114,10 +122,10 @@ class WarmStart(Configurable):
         start = time.perf_counter()
         logger.info("warm start: %d steps x %d conversations from %s", cfg.num_steps,
                     cfg.batch_size, base_model_dir)
+        batches = self._batches(examples, rng)
         with progress_bar(total=cfg.num_steps, desc="warm start") as bar:
             for step in range(cfg.num_steps):
-                loss = self._step(model, optimizer, schedule, rng.sample(examples, cfg.batch_size),
-                                  pad_id)
+                loss = self._step(model, optimizer, schedule, next(batches), pad_id)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
                 if step % 50 == 0 or step == cfg.num_steps - 1:
@@ -137,9 +145,22 @@ class WarmStart(Configurable):
                 shutil.rmtree(tmp)
         logger.info("warm start: wrote %s in %.0f s", out, time.perf_counter() - start)
 
+    def _batches(self, examples: Sequence[Example], rng: random.Random) -> Iterator[list[Example]]:
+        """Endless batches of ``batch_size`` random examples (grouped by length when asked)."""
+        size = self.config.batch_size
+        if not self.config.group_by_length:
+            while True:
+                yield rng.sample(examples, size)
+        while True:
+            drawn = sorted(rng.sample(examples, min(len(examples), size * LENGTH_GROUP_BATCHES)),
+                           key=lambda example: len(example[0]))
+            batches = [drawn[i: i + size] for i in range(0, len(drawn), size)]
+            rng.shuffle(batches)
+            yield from batches
+
     @staticmethod
     def _step(model: Any, optimizer: Any, schedule: Any,
-              batch: list[tuple[list[int], list[int]]], pad_id: int) -> float:
+              batch: list[Example], pad_id: int) -> float:
         """One optimizer step on ``batch`` (token ids, assistant mask); returns the loss."""
         import torch
 
@@ -158,7 +179,7 @@ class WarmStart(Configurable):
         return loss.item()
 
 
-def _tokenize_with_assistant_mask(tokenizer, conversation: Conversation) -> tuple[list[int], list[int]]:
+def _tokenize_with_assistant_mask(tokenizer: Any, conversation: Conversation) -> Example:
     """Token ids of the rendered conversation and a mask that is 1 on assistant replies
     (their text and end-of-turn token), computed by rendering growing prefixes."""
     ids: list[int] = []

@@ -54,9 +54,10 @@ class MessageEnv(abc.ABC):
         return float(sum(sum(parts.values()) for parts in reward_parts))
 
     def turn_rewards(self, replies: list[str], reward_parts: list[dict[str, float]]) -> list[float]:
-        """Each turn's share of the reward, for per-turn credit (`rollouter.credit = "turn"`): one
-        value per reply, summing to score() where the score is a sum over turns. Default: the sum
-        of each turn's parts (matching the default score)."""
+        """Each turn's own reward, for per-turn credit (`rollouter.credit = "turn"`): one value
+        per reply, on the scale of a one-turn episode's score (an env whose score averages its
+        turns returns the turn scores, not their shares). Default: the sum of each turn's parts
+        (what the default score sums)."""
         return [float(sum(parts.values())) for parts in reward_parts]
 
     async def close(self) -> None:
