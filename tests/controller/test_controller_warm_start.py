@@ -1,0 +1,92 @@
+"""The supervised warm start (controller/warm_start.py) on the tiny model: what it trains on,
+how it batches, that it learns, and that its cache is reused."""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import random
+
+import pytest
+
+from examples.alphabet_sort import AlphabetSortTask
+from torchtitan_rl.controller.warm_start import (
+    LENGTH_GROUP_BATCHES,
+    WarmStart,
+    _tokenize_with_assistant_mask,
+)
+
+TASK = AlphabetSortTask.Config(min_turns=1, max_turns=3, min_names_per_turn=1,
+                               max_names_per_turn=3).build()
+
+
+def _conversation(i: int) -> list[dict[str, str]]:
+    return TASK.solved_conversation(TASK.dataset("train")[i])
+
+
+def test_mask_is_exactly_every_assistant_reply_and_its_end_token(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    conversation = _conversation(next(i for i in range(50)
+                                      if TASK.dataset("train")[i].num_turns == 3))
+    ids, mask = _tokenize_with_assistant_mask(tokenizer, conversation)
+    assert len(ids) == len(mask)
+    runs, current = [], []  # the masked runs of tokens, in order
+    for token, m in zip(ids, mask):
+        if m:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    replies = [m["content"] for m in conversation if m["role"] == "assistant"]
+    assert len(runs) == len(replies) == 3
+    for run, reply in zip(runs, replies):
+        assert run[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+        assert tokenizer.decode(run[:-1]) == reply
+
+
+def test_group_by_length_batches_see_random_examples_of_similar_length():
+    examples = [([0] * n, [1] * n) for n in range(1, 200)]
+    warm = WarmStart(WarmStart.Config(batch_size=4, group_by_length=True))
+    batches = warm._batches(examples, random.Random(0))
+    drawn = [next(batches) for _ in range(LENGTH_GROUP_BATCHES)]  # one draw, cut in batches
+    assert all(len(b) == 4 for b in drawn)
+    lengths = sorted(len(ids) for b in drawn for ids, _ in b)
+    assert len(set(lengths)) == 4 * LENGTH_GROUP_BATCHES  # drawn without replacement
+    for batch in drawn:  # each batch is a run of the sorted draw
+        mine = sorted(len(ids) for ids, _ in batch)
+        start = lengths.index(mine[0])
+        assert lengths[start: start + 4] == mine
+    assert [len(b[0][0]) for b in drawn] != sorted(len(b[0][0]) for b in drawn)  # shuffled
+
+    plain = WarmStart(WarmStart.Config(batch_size=4))._batches(examples, random.Random(0))
+    assert next(plain) == random.Random(0).sample(examples, 4)  # unchanged without it
+
+
+def test_warm_start_learns_and_its_cache_is_reused(tiny_model_dir, tmp_path, caplog):
+    warm = WarmStart(WarmStart.Config(enabled=True, num_steps=40, batch_size=8,
+                                      num_conversations=64, group_by_length=True,
+                                      cache_dir=str(tmp_path)))
+    out = warm.output_dir(tiny_model_dir, "alphabet", seed=0)
+    caplog.set_level(logging.INFO, logger="torchtitan_rl.controller.warm_start")
+    assert warm.run(base_model_dir=tiny_model_dir, out=out, solved_conversation=_conversation,
+                    seed=0) == out
+    losses = [float(r.getMessage().split("loss=")[1].split()[0]) for r in caplog.records
+              if "loss=" in r.getMessage()]
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    written = (out / "model.safetensors").stat().st_mtime_ns
+
+    caplog.clear()
+    assert warm.run(base_model_dir=tiny_model_dir, out=out, solved_conversation=_conversation,
+                    seed=0) == out
+    assert any("reusing" in r.getMessage() for r in caplog.records)
+    assert (out / "model.safetensors").stat().st_mtime_ns == written
+    # what determines the result is in the key; where it is cached is not
+    other = WarmStart(WarmStart.Config(enabled=True, num_steps=41, cache_dir=str(tmp_path)))
+    assert other.output_dir(tiny_model_dir, "alphabet", seed=0) != out
+    elsewhere = WarmStart(WarmStart.Config(enabled=True, num_steps=40, batch_size=8,
+                                           num_conversations=64, group_by_length=True,
+                                           cache_dir=str(tmp_path / "x")))
+    assert elsewhere.output_dir(tiny_model_dir, "alphabet", seed=0).name == out.name
