@@ -8,8 +8,10 @@ prompt, ``groups_per_step`` groups a step). The trainer is the job's PolicyTrain
 process (its ``trainer.num_threads``), its batcher config as resolved. Each variant runs
 ``--steps`` steps after one warm-up step; the figure is the median step's ``trainer/mfu`` (model
 FLOPs of real tokens over the measured matmul peak, see trainer/flops.py). Variants change only
-the batch shape (rows per microbatch, row length), which decides padding and matmul sizes. Last
-line: the job's own shape against the best variant, key=value.
+the batch shape (rows per microbatch, row length), which decides padding and matmul sizes, or the
+trainer's torch threads (1 vs every core: in synchronous GRPO the generator idles while the
+trainer trains; the peak stays the one measured at the job's thread count, so compare their
+step_s). Last line: the job's own shape against the best variant, key=value.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import pathlib
 import statistics
 import sys
 import time
+
+import torch
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -103,11 +107,20 @@ def main() -> None:
         print(f"variant={name} rows_per_microbatch={batcher.rows_per_microbatch} "
               f"seq_len={batcher.seq_len} rows={r['rows']} pct_pad={r['pct_pad']:.1f} "
               f"step_s={r['step_s']:.3f} mfu={r['mfu']:.4f}", flush=True)
+    job_threads = torch.get_num_threads()
+    by_threads = {}
+    for threads in sorted({1, os.cpu_count() or 1}):
+        torch.set_num_threads(threads)
+        r = by_threads[threads] = median_mfu(core, own.build(), samples, args.steps)
+        print(f"variant=threads={threads} step_s={r['step_s']:.3f} mfu={r['mfu']:.4f} "
+              f"(peak measured at {job_threads} threads)", flush=True)
+    torch.set_num_threads(job_threads)
     best = max(results, key=lambda k: results[k]["mfu"])
-    print(f"bench=train_mfu threads={job.trainer.num_threads} job_mfu={results['job']['mfu']:.4f} "
+    print(f"bench=train_mfu threads={job_threads} job_mfu={results['job']['mfu']:.4f} "
           f"job_step_s={results['job']['step_s']:.3f} best={best} "
           f"best_mfu={results[best]['mfu']:.4f} best_step_s={results[best]['step_s']:.3f} "
-          f"ratio={results[best]['mfu'] / results['job']['mfu']:.2f}")
+          f"ratio={results[best]['mfu'] / results['job']['mfu']:.2f} "
+          f"threads_speedup={by_threads[1]['step_s'] / by_threads[max(by_threads)]['step_s']:.2f}")
 
 
 if __name__ == "__main__":

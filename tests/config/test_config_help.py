@@ -73,7 +73,7 @@ def test_help_shows_the_toml_values_and_the_named_tasks_options():
     out = proc.stdout
     assert "--rollouter.advantage_std 'sample' | 'population' | 'none'  (default: sample; " \
            "TOML: none)" in out
-    assert "--task.max_turns int  (default: 3; TOML: 1)" in out
+    assert "--task.max_names_per_turn int  (default: 5; TOML: 2)" in out
     assert "Turns per episode, uniform in [min_turns, max_turns]." in out
     assert "--task.validation_names 'disjoint' | 'shared'  (default: disjoint; TOML: shared)" \
         in out

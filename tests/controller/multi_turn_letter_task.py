@@ -1,7 +1,8 @@
 """LetterTask over several turns: after each reply but the last the env answers with a user
 message (``Turn k: more words:``), so every rollout whose replies stop (not cut at max_tokens)
 has exactly ``num_turns`` assistant turns, even with an untrained model. Reward: the share of
-all replies' letters that are in a..m (spread even for a random tiny model).
+all replies' letters that are in a..m (spread even for a random tiny model); each turn reports
+its own reply's share as the reward part ``a_to_m`` (per-turn credit, per-turn validation).
 
 A test fixture (``[task] type = "tests.controller.multi_turn_letter_task:MultiTurnLetterTask"``),
 not an example.
@@ -18,6 +19,12 @@ from torchtitan_rl.task import TaskConfig
 from tests.controller.letter_task import LetterEnv
 
 
+def letter_share(reply: str) -> float:
+    """This reply's share of letters in a..m (its per-turn reward part, ``a_to_m``)."""
+    letters = [c for c in reply.lower() if c.isalpha()]
+    return sum(c <= "m" for c in letters) / len(letters) if letters else 0.0
+
+
 def env_message(turn: int) -> str:
     """The user message the env sends before assistant turn ``turn`` (1-based, >= 2)."""
     return f"Turn {turn}: more words:"
@@ -31,9 +38,11 @@ class MultiTurnLetterEnv(LetterEnv):
 
     async def step(self, assistant_message: Message) -> EnvStep:
         self.replies += 1
+        parts = {"a_to_m": letter_share(assistant_message["content"])}
         if self.replies >= self.num_turns:
-            return EnvStep(done=True)
-        return EnvStep(messages=[{"role": "user", "content": env_message(self.replies + 1)}])
+            return EnvStep(done=True, reward_parts=parts)
+        return EnvStep(messages=[{"role": "user", "content": env_message(self.replies + 1)}],
+                       reward_parts=parts)
 
 
 class MultiTurnLetterTask(Configurable):

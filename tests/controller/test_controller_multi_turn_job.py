@@ -32,6 +32,7 @@ from tests.controller.multi_turn_letter_task import MultiTurnLetterTask, env_mes
 NUM_STEPS = 2
 NUM_TURNS = 3
 SEQ_LEN = 160
+TURN_DISCOUNT = 0.5
 # Every 5th token id stops a reply (as in tests/rollout/test_rollout_vllm.py): the random tiny
 # model rarely samples its end-of-turn token, and a reply cut at max_tokens ends the rollout.
 STOP_TOKEN_IDS = list(range(3, 1024, 5))
@@ -46,12 +47,13 @@ def multi_turn_run(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
         base,
         task=MultiTurnLetterTask.Config(num_turns=NUM_TURNS),
         rollouter=Rollouter.Config(group_size=4, max_turns=NUM_TURNS,
-                                   max_rollout_tokens=SEQ_LEN),
+                                   max_rollout_tokens=SEQ_LEN, advantage_std="none",
+                                   credit="turn", turn_discount=TURN_DISCOUNT),
         sampling=Sampling(max_tokens=12, stop_token_ids=STOP_TOKEN_IDS),
         generator=Generator.Config(max_model_len=SEQ_LEN, kv_cache_bytes=32 << 20),
         batcher=Batcher.Config(seq_len=SEQ_LEN),
         trainer=dataclasses.replace(base.trainer, debug_batch_log=str(batch_log)),
-        validation=Validator.Config(num_prompts=0),
+        validation=Validator.Config(num_prompts=2, samples_per_prompt=2),
         checkpoint=Checkpointer.Config(every_steps=0, export_hf=False),
     )
     summary = main(config)
@@ -63,29 +65,35 @@ def _jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _received_samples(batch_log: pathlib.Path) -> dict[int, dict[int, tuple[list[int], list[int]]]]:
-    """{policy version (= step): {document id: (token ids, token mask)}} as the trainer got them.
-    Token mask j is the loss mask at position j - 1 (position i predicts token i + 1)."""
-    by_step: dict[int, dict[int, tuple[list[int], list[int]]]] = {}
+Received = tuple[list[int], list[int], list[float]]
+
+
+def _received_samples(batch_log: pathlib.Path) -> dict[int, dict[int, Received]]:
+    """{policy version (= step): {document id: (token ids, token mask, token advantages)}} as the
+    trainer got them. Token mask (advantage) j is the loss mask (advantage) at position j - 1
+    (position i predicts token i + 1)."""
+    by_step: dict[int, dict[int, Received]] = {}
     for record in _jsonl(batch_log):
         assert record["rank"] == 0 and record["dp_rank"] == 0
         documents = by_step.setdefault(record["policy_version"], {})
-        for ids, positions, docs, mask in zip(record["input_ids"], record["positions"],
-                                              record["document_ids"], record["loss_mask"],
-                                              strict=True):
+        for ids, positions, docs, mask, advantages in zip(
+                record["input_ids"], record["positions"], record["document_ids"],
+                record["loss_mask"], record["advantages"], strict=True):
             for j, doc in enumerate(docs):
                 if doc == -1:
                     assert mask[j] == 0, "a padding position is trained on"
                     continue
-                tokens, token_mask = documents.setdefault(doc, ([], [0]))
+                tokens, token_mask, token_advantages = documents.setdefault(doc, ([], [0], [0.0]))
                 assert positions[j] == len(tokens), "a sample is split or out of order"
                 tokens.append(ids[j])
                 token_mask.append(mask[j])
+                token_advantages.append(advantages[j])
     for documents in by_step.values():
-        for tokens, token_mask in documents.values():
+        for tokens, token_mask, token_advantages in documents.values():
             # the last position of a sample predicts nothing
             assert token_mask.pop() == 0
-            assert len(token_mask) == len(tokens)
+            token_advantages.pop()
+            assert len(token_mask) == len(token_advantages) == len(tokens)
     return by_step
 
 
@@ -114,7 +122,7 @@ def test_multi_turn_loss_mask_reaches_the_trainer_exactly_on_generated_tokens(mu
             rollout = recorded[(step, session)]
             assert rollout["group_dropped"] is None and rollout["advantage"] is not None
             turns = rollout["turns"]
-            tokens, token_mask = documents[document]
+            tokens, token_mask, _ = documents[document]
             last = turns[-1]
             assert len(tokens) == last["num_prompt_tokens"] + last["num_completion_tokens"]
 
@@ -143,3 +151,61 @@ def test_multi_turn_loss_mask_reaches_the_trainer_exactly_on_generated_tokens(mu
 
     assert num_multi_turn > 0
     assert num_later_turn_tokens > 0
+
+
+def test_per_turn_credit_reaches_the_trainer_and_validation_reports_each_turn(multi_turn_run):
+    """credit = "turn": each turn's tokens were trained with that turn's own advantage, the
+    group-relative return G_t = r_t + gamma * G_{t+1} of the env's per-turn rewards; validation
+    logs each turn's reward part, and the summary holds the last validation's."""
+    run_dir, batch_log = multi_turn_run
+    received = _received_samples(batch_log)
+    trained = {r["step"]: r["sample_ids"] for r in _jsonl(run_dir / "trained_samples.jsonl")}
+    recorded = {(r["step"], r["sample_id"]): r
+                for r in _jsonl(run_dir / "rollouts" / "rollouts.jsonl")}
+
+    by_group: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for (step, _), rollout in recorded.items():
+        by_group.setdefault((step, rollout["group_id"]), []).append(rollout)
+    num_checked = 0
+    for rollouts in by_group.values():
+        if rollouts[0]["group_dropped"]:
+            continue
+        returns = []
+        for rollout in rollouts:
+            assert [t["reward"] for t in rollout["turns"]] == [
+                t["reward_parts"]["a_to_m"] for t in rollout["turns"]]
+            to_go, values = 0.0, []
+            for turn in reversed(rollout["turns"]):
+                to_go = turn["reward"] + TURN_DISCOUNT * to_go
+                values.append(to_go)
+            returns.append(values[::-1])
+        for t in range(max(len(v) for v in returns)):
+            reached = [(r, v[t]) for r, v in zip(rollouts, returns) if len(v) > t]
+            mean = sum(g for _, g in reached) / len(reached)
+            for rollout, g in reached:  # advantage_std "none": the mean baseline only
+                assert rollout["turns"][t]["advantage"] == pytest.approx(g - mean, abs=1e-12)
+                num_checked += 1
+    assert num_checked > 0
+
+    different_turn_advantages = 0
+    for step, sample_ids in trained.items():
+        for document, sample_id in enumerate(sample_ids):
+            rollout = recorded[(step, sample_id.rsplit("/", 1)[0])]
+            tokens, token_mask, token_advantages = received[step][document]
+            expected = [0.0] * len(tokens)
+            for turn in rollout["turns"]:
+                for j in range(turn["num_prompt_tokens"],
+                               turn["num_prompt_tokens"] + turn["num_completion_tokens"]):
+                    expected[j] = turn["advantage"]
+            assert token_advantages == pytest.approx(expected, abs=1e-6), sample_id
+            different_turn_advantages += len({t["advantage"] for t in rollout["turns"]}) > 1
+    assert different_turn_advantages > 0  # turns of one rollout were credited differently
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    metrics = read_metrics(run_dir)
+    per_turn = summary["reward_after_per_turn"]
+    assert sorted(per_turn) == [f"turn_{t}/a_to_m" for t in range(1, NUM_TURNS + 1)]
+    for key, value in per_turn.items():
+        assert metrics[NUM_STEPS][f"validation/{key}"] == value
+        assert 0.0 <= value <= 1.0
+    assert f"validation/turn_1/a_to_m" in metrics[0]

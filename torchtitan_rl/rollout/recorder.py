@@ -1,7 +1,8 @@
 """RolloutRecorder: every K steps, append the step's rollouts as JSON lines for a human to read.
 
 One line per rollout: step, ids, status, reward, advantage, the first prompt's text, the last
-completion's text, and per turn what was added to the prompt, the completion and its reward parts.
+completion's text, and per turn what was added to the prompt, the completion, its reward parts,
+and (per-turn credit) its reward and advantage.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def _record(step: int, group: RolloutGroup, rollout: Rollout, tokenizer: Any) ->
             "num_prompt_tokens": len(prompt),
             "num_completion_tokens": len(turn.completion_token_ids),
             "reward_parts": turn.reward_parts,
+            "reward": turn.reward,
+            "advantage": turn.advantage,
             "drift": turn.drift,
         })
         previous = prompt + turn.completion_token_ids

@@ -22,5 +22,6 @@ class BatchLog:
                   "microbatch": microbatch}
         for name in ("input_ids", "positions", "document_ids", "loss_mask"):
             record[name] = data[name].to(torch.int64).tolist()
+        record["advantages"] = data["advantages"].to(torch.float64).tolist()
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
