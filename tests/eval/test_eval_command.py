@@ -46,6 +46,10 @@ def test_console_is_quiet_and_the_log_file_has_the_rest(job):
     assert "torchtitan_rl.metrics.logger: step=0 async/" in log
     assert "INFO" in log and "Resolved architecture: Qwen3ForCausalLM" in log  # vLLM, in the proc
     assert "validation step=2 reward=" in log
+    # the GRPO bar's last frame shows the final validation (it runs after the last step)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    last_frame = proc.stderr.split("GRPO steps")[-1]
+    assert f"val={summary['reward_after']:.3f}" in last_frame, last_frame
 
 
 def test_eval_of_the_exported_model_agrees_with_the_jobs_final_validation(job, tmp_path):

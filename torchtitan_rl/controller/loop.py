@@ -104,6 +104,9 @@ class TrainingLoop(Configurable):
         self.state = state
         self.progress = progress
         """A tqdm bar (or None): one update per step."""
+        self._postfix: dict[str, str] = (
+            {"val": f"{state.validation_history[-1][1]:.3f}"} if state.validation_history else {})
+        """What the bar shows after its count: the newest reward, validation, tokens/s, step."""
         self.gate: StalenessGate[_GroupResult] = config.staleness.build(
             groups_per_step=config.groups_per_step, version=state.step,
             first_group_id=state.next_group_id,
@@ -236,13 +239,14 @@ class TrainingLoop(Configurable):
         parts.metrics.log(step, metrics)
         parts.recorder.maybe_record(step, groups, parts.tokenizer)
         if self.progress is not None:
-            postfix = {"reward": f"{metrics.get('rollout_reward/mean', float('nan')):.3f}"}
-            if state.validation_history:
-                postfix["val"] = f"{state.validation_history[-1][1]:.3f}"
-            postfix["tok_s"] = f"{metrics['throughput/generated_tokens_per_s']:.0f}"
-            postfix["step_s"] = f"{step_s:.1f}"
+            self._postfix = {
+                "reward": f"{metrics.get('rollout_reward/mean', float('nan')):.3f}",
+                "val": self._postfix.get("val", "n/a"),
+                "tok_s": f"{metrics['throughput/generated_tokens_per_s']:.0f}",
+                "step_s": f"{step_s:.1f}",
+            }
             self.progress.update(1)
-            self.progress.set_postfix(postfix)
+            self.progress.set_postfix(self._postfix)
         if parts.validator.due(version) and version < self.config.num_steps:
             await self.validate(version)
         if parts.checkpointer.due(version):
@@ -314,6 +318,9 @@ class TrainingLoop(Configurable):
         self.state.validation_history.append((step, result.reward_mean, result.reward_stderr))
         self.state.validation_per_turn = result.per_turn
         parts.metrics.log(step, result.metrics())
+        if self.progress is not None:  # the final validation too: it runs after the last step
+            self._postfix["val"] = f"{result.reward_mean:.3f}"
+            self.progress.set_postfix(self._postfix)
         per_turn = "".join(f", {key} {value:.4f}" for key, value in result.per_turn.items()
                            if len(result.per_turn) > 1)
         logger.info("validation step=%d reward=%.4f +- %.4f (%d rollouts%s)", step,
