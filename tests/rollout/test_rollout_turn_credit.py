@@ -104,3 +104,27 @@ def test_credit_config_errors() -> None:
         Rollouter.Config(credit="episode")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="turn_discount"):
         Rollouter.Config(turn_discount=1.5)
+
+
+def test_a_counted_errored_rollout_keeps_its_rollout_advantage() -> None:
+    # rollout 3's env breaks on turn 1; error_reward 0 still counts it in the rollout baseline
+    made = iter(range(4))
+
+    def make_env(_):  # type: ignore[no-untyped-def]
+        return CountingEnv(2, fail_on_turn=1 if next(made) == 3 else None)
+
+    gen = ScriptedGenerate(lambda rid, _: "yes" if YES[_rollout_and_turn(rid)[0]][
+        _rollout_and_turn(rid)[1]] else "no")
+    cfg = Rollouter.Config(group_size=4, step_timeout_s=5.0, advantage_std="none",
+                           credit="turn", turn_discount=0.0, error_reward=0.0)
+    group = run(cfg.build(tokenizer=tiny_tokenizer(), make_env=make_env).run_group_rollouts(
+        gen, {"episode_id": "e"}, 3, sampling=Sampling(max_tokens=8, seed=1)))
+    errored = group.rollouts[3]
+    assert errored.status is RolloutStatus.ERROR_ENV and errored.advantage is not None
+    assert all(t.advantage is None for t in errored.turns)  # packing uses the rollout's
+    # the turns' baselines are the three scored rollouts only: turn 0 rewards [1, 0, 1]
+    assert [r.turns[0].advantage for r in group.rollouts[:3]] == pytest.approx(
+        [1 / 3, -2 / 3, 1 / 3])
+    samples = rollout_group_to_training_samples(group)
+    last = [s for s in samples if "rollout=3" in s.sample_id][0]
+    assert {a for a, m in zip(last.advantages, last.loss_mask) if m} == {errored.advantage}

@@ -322,7 +322,7 @@ class TrainingLoop(Configurable):
             self._postfix["val"] = f"{result.reward_mean:.3f}"
             self.progress.set_postfix(self._postfix)
         per_turn = "".join(f", {key} {value:.4f}" for key, value in result.per_turn.items()
-                           if len(result.per_turn) > 1)
+                           ) if len(result.per_turn) > 1 else ""
         logger.info("validation step=%d reward=%.4f +- %.4f (%d rollouts%s)", step,
                     result.reward_mean, result.reward_stderr, result.num_rollouts, per_turn,
                     extra=CONSOLE)

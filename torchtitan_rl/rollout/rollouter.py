@@ -256,9 +256,9 @@ class Rollouter(Configurable):
             if self.config.credit == "turn":
                 self._fill_turn_rewards(message_env, rollout, parts)
         except Exception as e:
-            logger.warning("%s: score raised", rollout.session_id, exc_info=True)
+            logger.warning("%s: scoring raised", rollout.session_id, exc_info=True)
             rollout.status = RolloutStatus.ERROR_ENV
-            rollout.error = f"score raised {e!r}"
+            rollout.error = f"scoring raised {e!r}"
             rollout.reward = self._error_reward()
 
     @staticmethod
@@ -276,15 +276,18 @@ class Rollouter(Configurable):
 
     def _fill_turn_advantages(self, group: RolloutGroup) -> str | None:
         """Set each counted turn's advantage from the returns of its siblings' same turn; the
-        group has no signal ("zero_std") only when no turn index has any spread."""
+        group has no signal ("zero_std") only when no turn index has any spread. An errored
+        rollout that still counts (``error_reward`` set) has no turn rewards: its tokens keep the
+        rollout's advantage and it stays out of the turns' baselines."""
         gamma = self.config.turn_discount
         returns: dict[int, list[float]] = {}  # rollout index -> G_t per turn
         for i, rollout in enumerate(group.rollouts):
-            if rollout.advantage is None:
+            if rollout.advantage is None or rollout.status.is_error:
                 continue
             to_go, values = 0.0, []
             for turn in reversed(rollout.turns):
-                to_go = float(turn.reward or 0.0) + gamma * to_go
+                assert turn.reward is not None, "scored rollouts have every turn's reward"
+                to_go = turn.reward + gamma * to_go
                 values.append(to_go)
             returns[i] = values[::-1]
         spread = False

@@ -107,8 +107,7 @@ class PolicyTrainerCore(Configurable):
         loss: GRPOLoss.Config = dataclasses.field(default_factory=GRPOLoss.Config)
         debug_batch_log: str = ""
         """Debugging and tests ("" = off): a JSONL file, one line per microbatch each rank trains
-        on, with its input_ids, positions, document_ids, loss_mask and advantages
-        (trainer/batch_log.py)."""
+        on: input_ids, positions, document_ids, loss_mask, advantages (trainer/batch_log.py)."""
 
         def __post_init__(self) -> None:
             if self.lr_warmup_steps < 0:
