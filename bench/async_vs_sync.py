@@ -113,8 +113,9 @@ def bench_job(output_dir: pathlib.Path, name: str, args: argparse.Namespace,
         trainer=PolicyTrainer.Config(optimizer=OptimizerConfig(lr=1e-3), num_threads=1),
         loop=TrainingLoop.Config(
             num_steps=args.steps, groups_per_step=args.groups_per_step,
-            staleness=StalenessGate.Config(max_staleness=2 if mode == "async" else 0),
-            partial_rollout="abort" if mode == "async" else "none"),
+            staleness=StalenessGate.Config(
+                max_staleness=args.max_staleness if mode == "async" else 0),
+            partial_rollout=args.partial_rollout if mode == "async" else "none"),
         validation=Validator.Config(num_prompts=0),
         checkpoint=Checkpointer.Config(every_steps=0, export_hf=False),
     )
@@ -168,6 +169,9 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument("--stop-every", type=int, default=8)
     parser.add_argument("--long-every", type=int, default=4)
     parser.add_argument("--long-turns", type=int, default=8)
+    parser.add_argument("--max-staleness", type=int, default=2, help="S of the async side")
+    parser.add_argument("--partial-rollout", default="abort", choices=["abort", "none"],
+                        help="the async side's loop.partial_rollout")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     out = pathlib.Path(tempfile.mkdtemp(prefix="bench_async_vs_sync_"))

@@ -12,11 +12,14 @@ it into vLLM between engine steps (torchtitan_rl/weight_sync/). Cases (transport
   transport ``shared_memory``: one copy into a shared segment, references in the message;
   load ``reload``: vLLM ``reload_weights`` (+ the CPU tied-lm_head fix), linears repacked;
   load ``in_place``: linears unpacked once at engine start, each pull one copy_ per tensor.
-``convert_and_load_s`` is what the generator reports for its pull (HF names and checks, then the
-write into vLLM with the version label and prefix-cache reset); ``handoff_s`` is the rest of the
-pull call (staging, the message, the wait for the engine loop). ``memcpy_s`` is one
-``dst.copy_(src)`` of a flat buffer of the same number of bytes, in this process. All are medians
-over ``--iters`` after one warm-up. The lines are key=value; the last one is the path a run ships
+``gather_s`` is the trainer's state dict; ``stage_s`` its copy into shared memory, which the
+generator's copy overlaps (a streamed push: the references go first and each chunk is announced);
+``convert_s`` and ``convert_and_load_s`` are what the generator reports for its pull (HF names and
+checks; then the write into vLLM, waiting for staged bytes, with the version label and
+prefix-cache reset); ``handoff_s`` is the rest of the pull call (the message, the wait for the
+engine loop). ``memcpy_s`` is one ``dst.copy_(src)`` of a flat buffer of the same number of bytes
+with the actors' torch threads (``--num-threads``: each side of a push copies with that many).
+All are medians over ``--iters`` after one warm-up. The lines are key=value; the last one is the path a run ships
 with on one machine (``trainer.weight_transport = "auto"`` and ``generator.weight_sync.load =
 "auto"`` pick shared memory and in-place copies there; across machines "auto" is the message):
 
@@ -44,16 +47,23 @@ REPO_ROOT = HERE.parent
 logger = logging.getLogger("bench.weight_sync")
 
 
-def memcpy_s(num_bytes: int, iters: int) -> float:
-    src = torch.empty(num_bytes, dtype=torch.uint8).random_(0, 255)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm-up: fault the pages in
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def memcpy_s(num_bytes: int, iters: int, num_threads: int) -> float:
+    """One ``copy_`` of ``num_bytes`` with the actors' torch thread count (each side of a push
+    copies with that many threads), median over ``iters`` after a warm-up."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        src = torch.empty(num_bytes, dtype=torch.uint8).random_(0, 255)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # warm-up: fault the pages in
+        times = []
+        for _ in range(max(iters, 7)):
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(threads)
 
 
 async def _time_pushes(trainer: Any, generators: Any, transport: str, versions: list[int]
@@ -112,13 +122,16 @@ async def run(size: str, iters: int, num_threads: int) -> dict[tuple[str, str], 
                 "sync_s": statistics.median(times),
                 "load_s": statistics.median(convert_and_load),
                 "handoff_s": statistics.median(transport_s),
+                "gather_s": statistics.median(m["weight_sync/gather_s"] for m in metrics),
+                "stage_s": statistics.median(m.get("weight_sync/stage_s", 0.0) for m in metrics),
+                "convert_s": statistics.median(m["weight_sync/generator_convert_s"] for m in metrics),
             }
             logger.info("%s/%s: %s", transport, load, results[(transport, load)])
     finally:
         for handle in handles.values():
             await handle.close()
         await trainer_procs.stop()
-    copy_s = memcpy_s(int(results[CASES[0]]["bytes"]), iters)
+    copy_s = memcpy_s(int(results[CASES[0]]["bytes"]), iters, num_threads)
     for result in results.values():
         result["memcpy_s"] = copy_s
     return results
@@ -137,7 +150,7 @@ def main() -> None:
         print(
             f"bench=weight_sync size={args.size} transport={transport} load={load} "
             f"bytes={int(r['bytes'])} "
-            f"handoff_s={r['handoff_s']:.4f} convert_and_load_s={r['load_s']:.4f} "
+            f"gather_s={r['gather_s']:.4f} stage_s={r['stage_s']:.4f} handoff_s={r['handoff_s']:.4f} convert_s={r['convert_s']:.4f} convert_and_load_s={r['load_s']:.4f} "
             f"sync_s={r['sync_s']:.4f} memcpy_s={r['memcpy_s']:.4f} "
             f"ratio={r['sync_s'] / r['memcpy_s']:.2f}"
         )

@@ -72,6 +72,31 @@ def test_drain_stops_admission_until_running_requests_finish_then_pulls() -> Non
     assert step is not None and [r.request_id for r in step.requests] == ["waiting"]
 
 
+def test_news_that_ends_a_burst_is_what_decide_would_act_on() -> None:
+    inbox = LoopInbox(drain_before_pull=False)
+    _admit(inbox, "running")
+    assert not inbox.has_news, "running requests alone: keep stepping"
+    inbox.submit(_request("new"))
+    assert inbox.has_news
+    _ = inbox.decide()
+    assert not inbox.has_news
+    inbox.request_abort(["running"])
+    assert inbox.has_news
+    _ = inbox.decide()
+    inbox.request_pull(1, current_version=0)
+    assert inbox.has_news
+
+    draining = LoopInbox(drain_before_pull=True)
+    _admit(draining, "running")
+    draining.request_pull(1, current_version=0)
+    draining.submit(_request("held"))
+    assert not draining.has_news, "a drain holds both the pull and the new request back"
+    draining.on_left_engine("running")
+    assert draining.has_news
+    draining.request_close()
+    assert draining.has_news
+
+
 def test_hot_swap_pulls_while_requests_run() -> None:
     inbox = LoopInbox(drain_before_pull=False)
     _admit(inbox, "running")

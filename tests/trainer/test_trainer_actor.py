@@ -11,13 +11,14 @@ import sys
 
 import pytest
 import torch
-from monarch.actor import Actor, endpoint, this_host
+from monarch.actor import Actor, concurrent_endpoint, endpoint, this_host
 
 from torchtitan_rl.generator.generator import Generator
 from torchtitan_rl.generator.launch import spawn_generator
 from torchtitan_rl.trainer.batcher import Batcher
 from torchtitan_rl.trainer.trainer import PolicyTrainer, rank0_value, spawn_policy_trainer
 from torchtitan_rl.types import GenerateRequest, Sampling, TrainingSample
+from torchtitan_rl.weight_sync.shared_memory import StagedWeights, StagingProgress
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
@@ -48,12 +49,21 @@ class EngineActor(Actor):
         self.engine = _engine(model_dir)
         self.puller = WeightPuller(model_dir)
         self.version = 0
+        self.staging: dict[int, StagingProgress] = {}
 
-    @endpoint
-    async def pull_model_state_dict(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
-        self.puller.apply(self.engine, self.puller.prepare(state_dict))
+    @concurrent_endpoint
+    async def pull_model_state_dict(self, version: int, state_dict: dict[str, torch.Tensor],
+                                    streamed: bool = False) -> None:
+        weights = self.puller.prepare(state_dict)
+        if streamed:  # shared memory: copy each tensor once weights_staged covers it
+            weights = StagedWeights(weights, self.staging.setdefault(version, StagingProgress()))
+        await asyncio.to_thread(self.puller.apply, self.engine, weights)
         self.engine.reset_prefix_cache()
         self.version = version
+
+    @concurrent_endpoint
+    async def weights_staged(self, version: int, num_bytes: int) -> None:
+        self.staging.setdefault(version, StagingProgress()).advance(num_bytes)
 
     @endpoint
     async def read_hf_weights(self) -> dict[str, torch.Tensor]:

@@ -3,6 +3,7 @@
     rank 0: generate(request)/pull/abort/close -> LoopInbox -> decide() -> LoopDecision
     every rank: decision --DecisionChannel (gloo, engine thread)--> same decision on every rank
     every rank: apply it in the engine thread: add + burst of <= K engine.step() | pull | abort
+          (TP 1: the burst ends early when rank 0's inbox has new work)
     rank 0: finished outputs -> Completion -> resolve the generate() futures
 
 A pull (weight_sync/pull.py): every rank's pull_model_state_dict() prepares the weights at once (a
@@ -43,6 +44,7 @@ from torchtitan_rl.generator.loop_decision import (
 from torchtitan_rl.generator.pending_requests import PendingPulls, PendingRequests
 from torchtitan_rl.generator.vllm_engine import add_request, partial_output
 from torchtitan_rl.types import Completion, GenerateRequest, Sampling
+from torchtitan_rl.weight_sync.shared_memory import StagedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -119,9 +121,10 @@ class EngineLoop:
 
     async def close(self) -> None:
         """Stop the loop (call on every rank); pending requests fail with a RuntimeError."""
+        # Every rank: a pull waiting for a streamed push's bytes wakes and fails.
+        self._fail_pending(RuntimeError("generator closed before the request finished"))
         if self.rank == 0:
             self._inbox.request_close()
-            self._fail_pending(RuntimeError("generator closed before the request finished"))
             self._wake.set()
         if self._task is not None:
             await asyncio.wait([self._task])
@@ -177,15 +180,19 @@ class EngineLoop:
 
     # ---- every-rank calls -----------------------------------------------------------------------
     async def pull_model_state_dict(
-        self, policy_version: int, state_dict: dict[str, Any]
+        self, policy_version: int, state_dict: dict[str, Any], streamed: bool = False
     ) -> dict[str, float]:
         """Pull ``state_dict`` as ``policy_version`` through the loop (call on every rank with
         the same version). A bad state dict raises here and leaves the loop untouched. Returns
-        once this rank applied it: ``convert_s`` (prepare) and ``load_s`` (apply) seconds."""
+        once this rank applied it: ``convert_s`` (prepare) and ``load_s`` (apply) seconds.
+        ``streamed``: the tensors view a shared segment still being filled; each is applied
+        once ``weights_staged`` says its bytes are there."""
         self._check_running("pull_model_state_dict")
         self._pulls.check_new(policy_version, self.policy_version)
         start = time.perf_counter()
         weights = self.prepare_weights(state_dict)
+        if streamed:
+            weights = StagedWeights(weights, self._pulls.entry(policy_version).staging)
         convert_s = time.perf_counter() - start
         if self.rank == 0:
             self._inbox.request_pull(policy_version, current_version=self.policy_version)
@@ -193,6 +200,11 @@ class EngineLoop:
         self._wake.set()
         load_s = await asyncio.shield(done)
         return {"convert_s": convert_s, "load_s": load_s}
+
+    def weights_staged(self, policy_version: int, num_bytes: int) -> None:
+        """A streamed push of ``policy_version`` has staged its first ``num_bytes`` bytes."""
+        if policy_version > self.policy_version and self._stopped_error is None:
+            self._pulls.entry(policy_version).staging.advance(num_bytes)
 
     @property
     def num_inflight_requests(self) -> int:
@@ -289,6 +301,11 @@ class EngineLoop:
             if finished is None:
                 break
             self._on_step(finished)
+            # Alone (no tensor-parallel peers stepping in lockstep) rank 0 takes new work at the
+            # next step, as vLLM's own loop does: a new turn or a push would otherwise wait for
+            # the rest of the burst. TP ranks keep the fixed burst that every rank agreed on.
+            if self.channel is None and self._inbox.has_news:
+                break
         if self.rank == 0 and self._inbox.in_engine and not await self._in_thread(
             self.engine.has_unfinished_requests
         ):

@@ -8,6 +8,7 @@
     rank 0: finished output -> Completion -> generate() returns
     trainer rank 0 -pull_model_state_dict(policy_version, sd)-> EVERY rank (each pulls full
         tensors; vLLM shards; weight_sync/pull.py) -> {convert_s, load_s} per rank
+        (shared memory: -weights_staged(policy_version, bytes)-> every rank as the copy goes)
     trainer rank 0 -read_hf_weights()-> every rank (verify a push bit for bit, TP 1)
     controller -abort(ids)-> rank 0;  -close()-> every rank;  then the procs are stopped
 
@@ -163,13 +164,23 @@ class Generator(Actor, Configurable):
 
     @concurrent_endpoint
     async def pull_model_state_dict(
-        self, policy_version: int, state_dict: dict[str, Any]
+        self, policy_version: int, state_dict: dict[str, Any], streamed: bool = False
     ) -> dict[str, float]:
         """Every rank: pull ``state_dict`` (torchtitan or HF names, full tensors) as
         ``policy_version``, between engine steps (hot swap) or after running requests finish
-        (drain). Returns this rank's ``convert_s`` and ``load_s`` (the pusher reports them as
+        (drain). ``streamed``: shared-memory tensors still being staged (``weights_staged``).
+        Returns this rank's ``convert_s`` and ``load_s`` (the pusher reports them as
         ``weight_sync/generator_*`` metrics)."""
-        return await self._loop().pull_model_state_dict(policy_version, state_dict)
+        return await self._loop().pull_model_state_dict(policy_version, state_dict, streamed)
+
+    @concurrent_endpoint
+    async def weights_staged(self, policy_version: int, num_bytes: int) -> None:
+        """Every rank: a streamed push of ``policy_version`` has staged its first ``num_bytes``
+        bytes. Sent by broadcast (no reply), so it must not raise: that would fail the actor."""
+        try:
+            self._loop().weights_staged(policy_version, num_bytes)
+        except Exception:
+            logger.exception("weights_staged(%d, %d) ignored", policy_version, num_bytes)
 
     @concurrent_endpoint
     async def abort(self, request_ids: list[str] | None = None) -> int:

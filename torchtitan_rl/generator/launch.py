@@ -125,13 +125,17 @@ class GeneratorHandle:
     __call__ = generate
 
     async def pull_model_state_dict(
-        self, policy_version: int, state_dict: dict[str, Any]
+        self, policy_version: int, state_dict: dict[str, Any], streamed: bool = False
     ) -> list[dict[str, float]]:
         """Every rank reads the full state dict (vLLM's loaders shard it for TP; tensors cross
         to the host once, see ``pull_once_per_host``); returns once every rank has pulled it,
-        with each rank's ``convert_s`` / ``load_s``, by rank."""
-        values = await pull_once_per_host(self.actors, policy_version, state_dict)
+        with each rank's ``convert_s`` / ``load_s``, by rank. ``streamed``: see `PullTarget`."""
+        values = await pull_once_per_host(self.actors, policy_version, state_dict, streamed)
         return [value for _, value in sorted(values.items(), key=lambda kv: kv[0].rank)]
+
+    def weights_staged(self, policy_version: int, num_bytes: int) -> None:
+        """A streamed push's progress to every rank (no reply)."""
+        self.actors.weights_staged.broadcast(policy_version, num_bytes)
 
     async def read_hf_weights(self) -> list[dict[str, torch.Tensor]]:
         """Every rank's weights by HF name, as its engine computes with them (TP 1 only)."""

@@ -121,6 +121,14 @@ class LoopInbox:
         """Admission is stopped until a pending pull is applied."""
         return self.drain_before_pull and bool(self.pending_pulls)
 
+    @property
+    def has_news(self) -> bool:
+        """Whether ``decide()`` would now act on something besides stepping: a close, a pull it
+        can apply, an abort, or a queued request it can admit."""
+        return (self.close_requested
+                or bool(self.pending_pulls and not (self.drain_before_pull and self.in_engine))
+                or bool(self.pending_aborts) or bool(self.queued and not self.draining))
+
     def decide(self) -> LoopDecision | None:
         if self.close_requested:
             return LoopDecision(action=LoopAction.CLOSE, abort_request_ids=list(self.in_engine))

@@ -9,6 +9,7 @@
 
     PendingPulls (every rank; the pull call and rank 0's PULL decision arrive in either order):
     EngineLoop.pull_model_state_dict() -> check_new(), deliver(prepared weights) -> await done
+    EngineLoop.weights_staged()        -> entry().staging.advance()   (a streamed push)
     the loop's PULL decision           -> entry() -> await its weights -> apply -> finish(load_s)
     loop failed or closed              -> fail_all()
 
@@ -30,6 +31,7 @@ from torchtitan_rl.generator.vllm_engine import (
     first_token_latency_s,
 )
 from torchtitan_rl.types import Completion, CompletionMetrics
+from torchtitan_rl.weight_sync.shared_memory import StagingProgress
 
 
 @dataclasses.dataclass(slots=True)
@@ -104,6 +106,8 @@ class _Pull:
     """The prepared weights (set by the pull call)."""
     done: asyncio.Future[float]
     """Set by the loop once applied: the seconds the apply took."""
+    staging: StagingProgress = dataclasses.field(default_factory=StagingProgress)
+    """A streamed push's progress (its ``weights_staged`` messages may come first)."""
 
 
 class PendingPulls:
@@ -141,6 +145,7 @@ class PendingPulls:
     def fail_all(self, error: BaseException) -> None:
         pulls, self._pulls = self._pulls, {}
         for pull in pulls.values():
+            pull.staging.fail(error)
             fail_future(pull.done, error)
 
 

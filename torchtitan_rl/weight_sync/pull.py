@@ -11,6 +11,8 @@
                            + the CPU tied-lm_head fix
           load="in_place": one ``copy_`` per tensor into the live parameters (CPU linears were
                            unpacked once by ``WeightPuller.setup``; TP 1 on CPU only)
+          a streamed push (shared memory): `StagedWeights`, each tensor copied (or handed to
+                           vLLM) once the pusher has staged its bytes, overlapping both copies
     verify: Generator.read_hf_weights -> read_hf_weights(engine) --> trainer rank 0
             -> weight_mismatches(expected, actual, tied=) (push.py raises on any difference)
 
@@ -42,11 +44,14 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+
+from torchtitan_rl.weight_sync.shared_memory import StagedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -115,11 +120,15 @@ class WeightPuller:
             )
         return list(tensors.items())
 
-    def apply(self, engine: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Write ``prepare``'s output into the engine's weights (between engine steps). The
-        caller resets the prefix cache (the engine loop does, per its WeightSyncPolicy)."""
+    def apply(self, engine: Any, weights: list[tuple[str, torch.Tensor]] | StagedWeights) -> None:
+        """Write ``prepare``'s output into the engine's weights (between engine steps); a
+        `StagedWeights` tensor is copied once its bytes are staged. The caller resets the prefix
+        cache (the engine loop does, per its WeightSyncPolicy)."""
         if self.load == "in_place":
-            load_hf_weights_in_place(vllm_model(engine), dict(weights))
+            staged = weights if isinstance(weights, StagedWeights) else None
+            pairs = weights.pairs if isinstance(weights, StagedWeights) else weights
+            load_hf_weights_in_place(vllm_model(engine), dict(pairs),
+                                     wait_staged=staged.wait if staged else None)
             return
         engine.collective_rpc(
             "reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True)
@@ -242,10 +251,15 @@ def unpack_cpu_linears(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def load_hf_weights_in_place(model: nn.Module, hf_state_dict: dict[str, torch.Tensor]) -> None:
+def load_hf_weights_in_place(
+    model: nn.Module, hf_state_dict: dict[str, torch.Tensor],
+    wait_staged: Callable[[torch.Tensor], None] | None = None,
+) -> None:
     """Copy HF-named tensors into an unpacked (``unpack_cpu_linears``) vLLM Qwen3 model, TP=1.
     Every weight of the model must be given (a tied lm_head may be left out); names and shapes
-    are all checked before the first copy, so a bad state dict changes nothing."""
+    are all checked before the first copy, so a bad state dict changes nothing. With
+    ``wait_staged`` (a streamed push) the copies go in source-address order (the order the
+    pusher fills its segment), each after ``wait_staged(source)``."""
     remaining = dict(hf_state_dict)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, module in model.named_modules():
@@ -277,7 +291,11 @@ def load_hf_weights_in_place(model: nn.Module, hf_state_dict: dict[str, torch.Te
     for dst, src in copies:
         if dst.shape != src.shape:
             raise ValueError(f"shape mismatch: vLLM {tuple(dst.shape)} vs given {tuple(src.shape)}")
+    if wait_staged is not None:
+        copies.sort(key=lambda copy: copy[1].data_ptr())
     for dst, src in copies:
+        if wait_staged is not None:
+            wait_staged(src)
         dst.copy_(src)
 
 

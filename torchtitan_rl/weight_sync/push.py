@@ -6,7 +6,9 @@
                                   host): to rank 0 alone, which shares them with the other
                                   ranks of its host through shared memory (once per host)
       transport "shared_memory":  one copy into a POSIX shared segment, references in the call
-                                  (same host only, shared_memory.py)
+                                  (same host only, shared_memory.py); streamed: the call goes
+                                  first, then target.weights_staged(policy_version, bytes) after
+                                  every chunk, and the ranks copy out while the copy goes on
       target.pull_model_state_dict(policy_version, payload)   every generator rank pulls
                                   (pull.py) and reports its convert/load seconds
       verify: target.read_hf_weights() -> every generator rank's HF weights, compared bitwise
@@ -20,6 +22,7 @@ push to it directly); inside a trainer actor the generator actor mesh it receive
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any, Literal, Protocol
@@ -44,10 +47,16 @@ class PullTarget(Protocol):
     """Every rank of one generator: what a push needs from it."""
 
     async def pull_model_state_dict(
-        self, policy_version: int, state_dict: dict[str, Any]
+        self, policy_version: int, state_dict: dict[str, Any], streamed: bool = False
     ) -> list[PullTimings | None]:
         """Every rank pulls ``state_dict`` as ``policy_version``; returns once all have, with
-        each rank's timings (None: the rank reports none)."""
+        each rank's timings (None: the rank reports none). ``streamed``: shared-memory tensors
+        still being staged; each rank copies a tensor once ``weights_staged`` covers it."""
+        ...
+
+    def weights_staged(self, policy_version: int, num_bytes: int) -> None:
+        """Tell every rank (no reply) that the first ``num_bytes`` bytes of the segment are
+        staged for ``policy_version``."""
         ...
 
     async def read_hf_weights(self) -> list[dict[str, torch.Tensor]]:
@@ -63,10 +72,13 @@ class ActorMeshTarget:
         self.actors = actors
 
     async def pull_model_state_dict(
-        self, policy_version: int, state_dict: dict[str, Any]
+        self, policy_version: int, state_dict: dict[str, Any], streamed: bool = False
     ) -> list[PullTimings | None]:
-        values = await pull_once_per_host(self.actors, policy_version, state_dict)
+        values = await pull_once_per_host(self.actors, policy_version, state_dict, streamed)
         return [value for _, value in values.items()]
+
+    def weights_staged(self, policy_version: int, num_bytes: int) -> None:
+        self.actors.weights_staged.broadcast(policy_version, num_bytes)
 
     async def read_hf_weights(self) -> list[dict[str, torch.Tensor]]:
         return [weights for _, weights in (await self.actors.read_hf_weights.call()).items()]
@@ -99,13 +111,22 @@ class WeightPusher:
             )
         sent = time.perf_counter()
         metrics: dict[str, float] = {}
-        payload: dict[str, Any] = state_dict
         if transport == "shared_memory":
+            # Streamed: the references go first and every generator rank copies each tensor
+            # out as soon as its bytes are staged, so the two copies overlap.
             if self._stager is None:
                 self._stager = SharedMemoryStager()
-            payload = self._stager.stage(state_dict)
+            refs, plan = self._stager.layout(state_dict)
+            pull = asyncio.ensure_future(
+                target.pull_model_state_dict(policy_version, refs, streamed=True))
+            await asyncio.sleep(0)  # the pull call leaves before the copy holds this thread
+            self._stager.copy(plan, lambda num_bytes: target.weights_staged(
+                policy_version, num_bytes))
             metrics["weight_sync/stage_s"] = time.perf_counter() - sent
-        timings = [t for t in await target.pull_model_state_dict(policy_version, payload) if t]
+            results = await pull
+        else:
+            results = await target.pull_model_state_dict(policy_version, state_dict)
+        timings = [t for t in results if t]
         metrics["weight_sync/pull_s"] = time.perf_counter() - sent
         metrics["weight_sync/bytes"] = float(num_bytes(state_dict))
         for key in ("convert_s", "load_s"):
@@ -139,7 +160,7 @@ class WeightPusher:
 
 
 async def pull_once_per_host(actors: Any, policy_version: int,
-                             state_dict: dict[str, Any]) -> Any:
+                             state_dict: dict[str, Any], streamed: bool = False) -> Any:
     """Every rank of one generator (its ranks share a host) pulls ``state_dict``. Tensors (the
     message transport) go to rank 0 only, which puts them in shared memory for its host's
     ranks (``Generator.share_on_host``); references (already shared) go to every rank as they
@@ -148,7 +169,7 @@ async def pull_once_per_host(actors: Any, policy_version: int,
     if len(actors) > 1 and not shared:
         fields = await actors.slice(procs=0).share_on_host.call_one(state_dict)
         state_dict = {name: SharedTensorRef(*ref) for name, ref in fields.items()}
-    return await actors.pull_model_state_dict.call(policy_version, state_dict)
+    return await actors.pull_model_state_dict.call(policy_version, state_dict, streamed)
 
 
 def num_bytes(state_dict: dict[str, torch.Tensor]) -> int:
