@@ -1,7 +1,7 @@
 """Trained samples per second: the training loop at staleness 2 with partial rollouts (async) vs
 staleness 0 (sync), on the same config, in one run.
 
-    python bench/async_vs_sync.py [--size tiny] [--steps 30] [--repeats 3] [--groups-per-step 8]
+    python bench/async_vs_sync.py [--size demo] [--steps 30] [--repeats 3] [--group-size 8]
 
 Heavy-tailed response lengths come from the environment mix: most episodes end after one
 assistant turn, one in ``--long-every`` runs ``--long-turns`` turns (the env answers "go on"
@@ -12,9 +12,14 @@ for the trainer (two cores), no validation and no checkpoints; samples/s is trai
 the loop's wall time (sum of ``time/step_s``, the step windows tile the loop).
 
 Each repeat runs sync then async, after ``--warmup`` uncounted pairs; the figures are medians
-over repeats, with their spread ((max - min) / median). The bound: the sync run's work at a step time equal to the busier of the
-generator and the trainer (their busy seconds in the sync run, from the idle ratios), i.e. what a
-perfect overlap would give; ``efficiency = async / bound``. Last line:
+over repeats, with their spread ((max - min) / median). The bound: the sync run's work at a step
+time equal to the busier of the generator and the trainer (their busy seconds in the sync run,
+from the idle ratios), i.e. what a perfect overlap would give; ``efficiency = async / bound``, and
+``ceiling = bound / sync`` is the best ratio any overlap could reach on this workload. The default
+workload (``demo`` model, groups of 8) keeps the generator and the trainer about equally busy,
+where overlap can give the most; with ``--size tiny`` the generator is the busier by far.
+``trainer_slowdown`` is the trainer's median forward-backward time in the async run over the sync
+run: what running next to the generator costs it. Last line:
 
     ratio=... async_samples_per_s=... sync_samples_per_s=... bound_samples_per_s=... efficiency=...
 """
@@ -127,6 +132,7 @@ class RunTimes:
     seconds: float = 0.0
     generator_busy_s: float = 0.0
     trainer_busy_s: float = 0.0
+    forward_backward_s: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def samples_per_s(self) -> float:
@@ -148,6 +154,7 @@ def run_times(run_dir: pathlib.Path) -> RunTimes:
             times.seconds += step_s
             times.generator_busy_s += (1 - record["time/generator_idle_ratio"]) * step_s
             times.trainer_busy_s += (1 - record["time/trainer_idle_ratio"]) * step_s
+            times.forward_backward_s.append(record["trainer/forward_backward_s"])
     return times
 
 
@@ -158,13 +165,13 @@ def median_and_spread(values: list[float]) -> tuple[float, float]:
 
 def run(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default="tiny", choices=["tiny", "demo", "small"])
+    parser.add_argument("--size", default="demo", choices=["tiny", "demo", "small"])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1,
                         help="sync + async pairs run first and not counted (cold caches)")
     parser.add_argument("--groups-per-step", type=int, default=8)
-    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--stop-every", type=int, default=8)
     parser.add_argument("--long-every", type=int, default=4)
@@ -176,7 +183,7 @@ def run(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     out = pathlib.Path(tempfile.mkdtemp(prefix="bench_async_vs_sync_"))
     figures: dict[str, list[float]] = {"sync": [], "async": [], "bound": [], "ratio": [],
-                                       "efficiency": []}
+                                       "efficiency": [], "ceiling": [], "trainer_slowdown": []}
     for repeat in range(-args.warmup, args.repeats):
         times = {}
         for mode in ("sync", "async"):
@@ -193,6 +200,10 @@ def run(argv: list[str] | None = None) -> None:
         figures["bound"].append(bound)
         figures["ratio"].append(times["async"].samples_per_s / times["sync"].samples_per_s)
         figures["efficiency"].append(times["async"].samples_per_s / bound)
+        figures["ceiling"].append(bound / times["sync"].samples_per_s)
+        figures["trainer_slowdown"].append(
+            statistics.median(times["async"].forward_backward_s)
+            / statistics.median(times["sync"].forward_backward_s))
     print(f"bench=async_vs_sync size={args.size} steps={args.steps} repeats={args.repeats} "
           f"groups_per_step={args.groups_per_step} group_size={args.group_size} "
           f"long_every={args.long_every} long_turns={args.long_turns} "
@@ -204,7 +215,8 @@ def run(argv: list[str] | None = None) -> None:
     median = {key: statistics.median(values) for key, values in figures.items()}
     print(f"ratio={median['ratio']:.2f} async_samples_per_s={median['async']:.2f} "
           f"sync_samples_per_s={median['sync']:.2f} bound_samples_per_s={median['bound']:.2f} "
-          f"efficiency={median['efficiency']:.2f}")
+          f"efficiency={median['efficiency']:.2f} ceiling={median['ceiling']:.2f} "
+          f"trainer_slowdown={median['trainer_slowdown']:.2f}")
 
 
 if __name__ == "__main__":

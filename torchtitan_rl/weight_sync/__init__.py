@@ -4,6 +4,8 @@
     rank 0: WeightPusher.push(policy_version, state_dict, target)                        push.py
         "message": tensors in the call | "shared_memory": references to one segment  shared_memory.py
         -> target.pull_model_state_dict(policy_version, state_dict)  (every generator rank)
+        shared memory is streamed: the call first, then target.weights_staged(version, bytes)
+        as the copy goes; a rank copies each tensor once its bytes are staged (StagedWeights)
     generator rank: WeightPuller.prepare (HF names, checks) -> engine loop, between steps:
         WeightPuller.apply ("reload": vLLM reload_weights | "in_place": copy_)           pull.py
         -> the engine labels later tokens with policy_version

@@ -119,9 +119,13 @@ class WeightPusher:
             refs, plan = self._stager.layout(state_dict)
             pull = asyncio.ensure_future(
                 target.pull_model_state_dict(policy_version, refs, streamed=True))
-            await asyncio.sleep(0)  # the pull call leaves before the copy holds this thread
-            self._stager.copy(plan, lambda num_bytes: target.weights_staged(
-                policy_version, num_bytes))
+            try:
+                await asyncio.sleep(0)  # the pull call leaves before the copy holds this thread
+                self._stager.copy(plan, lambda num_bytes: target.weights_staged(
+                    policy_version, num_bytes))
+            except BaseException:
+                pull.cancel()
+                raise
             metrics["weight_sync/stage_s"] = time.perf_counter() - sent
             results = await pull
         else:
