@@ -68,7 +68,7 @@ def job_samples(job: RLJob.Config, model_dir: str, num: int) -> list[TrainingSam
 
 def median_mfu(core, batcher: Batcher, samples: list[TrainingSample], steps: int) -> dict:
     batch = batcher.pack(samples)
-    core.forward_backward(batch)  # warm-up (and the peak measurement)
+    core.forward_backward(batch)  # warm-up
     core.optim_step()
     mfus, seconds = [], []
     for _ in range(steps):
