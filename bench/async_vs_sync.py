@@ -1,7 +1,7 @@
 """Trained samples per second: the training loop at staleness 2 with partial rollouts (async) vs
 staleness 0 (sync), on the same config, in one run.
 
-    python bench/async_vs_sync.py [--size demo] [--steps 30] [--repeats 3] [--group-size 8]
+    python bench/async_vs_sync.py [--size demo] [--steps 40] [--repeats 3] [--group-size 8]
 
 Heavy-tailed response lengths come from the environment mix: most episodes end after one
 assistant turn, one in ``--long-every`` runs ``--long-turns`` turns (the env answers "go on"
@@ -10,6 +10,13 @@ the tiny random model almost never says end-of-turn), so a synchronous step alwa
 slowest groups while the generator batch runs nearly empty and the trainer idles. Both runs use one torch thread for the generator and one
 for the trainer (two cores), no validation and no checkpoints; samples/s is training samples over
 the loop's wall time (sum of ``time/step_s``, the step windows tile the loop).
+
+One workload from the first step to the last, and the same on both sides: the learning rate is
+tiny by default (``--lr``), so the policy, and with it the reply lengths, stays where it started.
+With lr 1e-3 the replies shortened as the model learned, and differently on each side (60 steps,
+trained tokens a step in the second half: sync 1209, async 1005, from 1303 / 1262 in the first),
+so the two sides no longer did the same work; with 1e-7 both train 1,400-1,420 tokens a step from
+the first half to the second.
 
 Each repeat runs sync then async, after ``--warmup`` uncounted pairs; the figures are medians
 over repeats, with their spread ((max - min) / median). The bound: the sync run's work at a step
@@ -115,7 +122,7 @@ def bench_job(output_dir: pathlib.Path, name: str, args: argparse.Namespace,
         generator=Generator.Config(max_model_len=budget + 64, kv_cache_bytes=64 << 20,
                                    torch_num_threads=1),
         batcher=Batcher.Config(seq_len=budget),
-        trainer=PolicyTrainer.Config(optimizer=OptimizerConfig(lr=1e-3), num_threads=1),
+        trainer=PolicyTrainer.Config(optimizer=OptimizerConfig(lr=args.lr), num_threads=1),
         loop=TrainingLoop.Config(
             num_steps=args.steps, groups_per_step=args.groups_per_step,
             staleness=StalenessGate.Config(
@@ -166,7 +173,7 @@ def median_and_spread(values: list[float]) -> tuple[float, float]:
 def run(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="demo", choices=["tiny", "demo", "small"])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1,
                         help="sync + async pairs run first and not counted (cold caches)")
@@ -177,6 +184,9 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument("--long-every", type=int, default=4)
     parser.add_argument("--long-turns", type=int, default=8)
     parser.add_argument("--max-staleness", type=int, default=2, help="S of the async side")
+    parser.add_argument("--lr", type=float, default=1e-7,
+                        help="small by default: the policy (and so the reply lengths) stays put, "
+                             "so every step of both sides draws from one workload")
     parser.add_argument("--partial-rollout", default="abort", choices=["abort", "none"],
                         help="the async side's loop.partial_rollout")
     args = parser.parse_args(argv)
