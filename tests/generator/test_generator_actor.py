@@ -113,3 +113,38 @@ def test_tp1_actor_serves_generate_abort_pull_and_close() -> None:
     assert seen["version"] == 3 and pulled.token_policy_versions == [3] * 8
     assert pulled.token_ids != first.token_ids
     assert seen["inflight_before_close"] == 1
+
+
+def test_generates_made_together_travel_as_one_submit_and_each_gets_its_own_outcome() -> None:
+    """Requests made in one event-loop turn leave in one message and their outcomes come back
+    batched on one port: each future still gets its own completion or error, and a request
+    cancelled before it left never reaches rank 0."""
+    config = tiny_config()
+    requests = _requests(6)
+
+    async def scenario() -> dict:
+        handle = await spawn_generator(config, name="generator_batched")
+        seen: dict = {}
+        try:
+            futures = [handle.generate(req(rid, prompt, sampling))
+                       for rid, prompt, sampling in requests]
+            empty = handle.generate(req("empty", [], greedy(4)))
+            dropped = handle.generate(req("dropped", [8, 9], greedy(400)))
+            dropped.cancel()
+            seen["completions"] = await asyncio.gather(*futures)
+            with pytest.raises(ValueError, match="prompt_token_ids is empty"):
+                await empty
+            seen["inflight_after"] = await handle.count_inflight_requests()
+            seen["digests"] = await handle.get_finished_digests()
+        finally:
+            await handle.close()
+        return seen
+
+    seen = run(scenario(), timeout_s=300)
+    reference = raw_generate(build_engine(config), requests)
+    for (rid, _, _), completion in zip(requests, seen["completions"]):
+        assert isinstance(completion, Completion) and completion.request_id == rid
+        assert completion.token_ids == list(reference[rid].token_ids)
+    # "dropped" (400 tokens) would still be in flight, or among the finished, had it been sent.
+    assert seen["inflight_after"] == 0
+    assert [num_finished for _, num_finished, _ in seen["digests"]] == [len(requests)]
