@@ -75,7 +75,6 @@ class GeneratorHandle:
         """Why the generator was lost (None while it serves)."""
         self.lost_event = asyncio.Event()
         """Set when the generator is lost: calls other than generate() race against it."""
-        self._outstanding: set[asyncio.Future[Completion | None]] = set()
         self._keys = itertools.count()
         self._waiting: dict[int, asyncio.Future[Completion | None]] = {}
         """generate() futures by key, until their outcome comes back."""
@@ -102,10 +101,8 @@ class GeneratorHandle:
         if not self._unsent:
             loop.call_soon(self._send_unsent)
         self._unsent[key] = request
-        self._outstanding.add(result)
 
         def forget(done: asyncio.Future[Completion | None]) -> None:
-            self._outstanding.discard(done)
             self._waiting.pop(key, None)
             # The caller gave up (its group failed elsewhere): free the engine slot rather than
             # generate for nobody. A request not sent yet is dropped; one sent is aborted, and
@@ -158,7 +155,7 @@ class GeneratorHandle:
         self.lost_reason = reason
         self.lost_event.set()
         logger.warning("%s lost: %s", self.name, reason)
-        for future in list(self._outstanding):
+        for future in list(self._waiting.values()):
             if not future.done():
                 future.set_exception(GeneratorLostError(f"{self.name} was lost: {reason}"))
         self._stop_receiving()
@@ -218,8 +215,8 @@ class GeneratorHandle:
             if self.lost_reason is None:
                 self._send_unsent()
                 await asyncio.wait_for(self.actors.close.call(), timeout_s)
-                if self._outstanding:
-                    await asyncio.wait(set(self._outstanding), timeout=timeout_s)
+                if self._waiting:
+                    await asyncio.wait(set(self._waiting.values()), timeout=timeout_s)
         finally:
             self._stop_receiving()
             if stop_procs:
