@@ -1,15 +1,16 @@
-"""Trained samples per second: the training loop at staleness 2 with partial rollouts (async) vs
-staleness 0 (sync), on the same config, in one run.
+"""Trained samples per second: the training loop at staleness 4 (async) vs staleness 0 (sync), on
+the same config, in one run.
 
-    python bench/async_vs_sync.py [--size demo] [--steps 40] [--repeats 3] [--group-size 8]
+    python bench/async_vs_sync.py [--size demo] [--steps 40] [--repeats 3] [--max-staleness 4]
 
 Heavy-tailed response lengths come from the environment mix: most episodes end after one
 assistant turn, one in ``--long-every`` runs ``--long-turns`` turns (the env answers "go on"
 each time), and every reply ends at one of ``--stop-every``-th token ids (a geometric length, as
 the tiny random model almost never says end-of-turn), so a synchronous step always waits for its
-slowest groups while the generator batch runs nearly empty and the trainer idles. Both runs use one torch thread for the generator and one
-for the trainer (two cores), no validation and no checkpoints; samples/s is training samples over
-the loop's wall time (sum of ``time/step_s``, the step windows tile the loop).
+slowest groups while the generator batch runs nearly empty and the trainer idles. Both runs use
+one torch thread for the generator and one for the trainer (two cores), no validation and no
+checkpoints; samples/s is training samples over the loop's wall time (sum of ``time/step_s``, the
+step windows tile the loop).
 
 One workload from the first step to the last, and the same on both sides: the learning rate is
 tiny by default (``--lr``), so the policy, and with it the reply lengths, stays where it started.
@@ -26,9 +27,17 @@ from the idle ratios), i.e. what a perfect overlap would give; ``efficiency = as
 workload (``demo`` model, groups of 8) keeps the generator and the trainer about equally busy,
 where overlap can give the most; with ``--size tiny`` the generator is the busier by far.
 ``trainer_slowdown`` is the trainer's median forward-backward time in the async run over the sync
-run: what running next to the generator costs it. Last line:
+run: what running next to the generator costs it.
 
-    ratio=... async_samples_per_s=... sync_samples_per_s=... bound_samples_per_s=... efficiency=...
+Every figure comes twice: over the whole run, and over the steady window, steps S + 1 to
+N - S - 1 of both sides. The async run's first S + 1 steps fill its pipeline (step 0 waits for a
+whole generation; the (S + 1) * P groups admitted at version 0 are all due by step S) and in its
+last S steps the generator has nothing left to generate: a cost paid once per run, however long,
+that the window leaves out. A window gets no credit for groups generated before it (the async
+generator runs up to S steps ahead): its samples/s counts at most the groups that finished
+generating inside it. Last line:
+
+    ratio=... async_samples_per_s=... efficiency=... ... steady_ratio=... steady_efficiency=...
 """
 
 from __future__ import annotations
@@ -140,10 +149,17 @@ class RunTimes:
     generator_busy_s: float = 0.0
     trainer_busy_s: float = 0.0
     forward_backward_s: list[float] = dataclasses.field(default_factory=list)
+    groups_trained: float = 0.0
+    groups_finished: float = 0.0
+    """Groups whose generation finished in the window (some may be trained after it)."""
 
     @property
     def samples_per_s(self) -> float:
-        return self.samples / self.seconds
+        """Trained samples a second, counting only what the generator kept up with in the
+        window: a window that trains groups generated before it (an async run's generator runs
+        up to S steps ahead) gets no credit for them."""
+        kept_up = min(1.0, self.groups_finished / self.groups_trained)
+        return self.samples * kept_up / self.seconds
 
     @property
     def bound_samples_per_s(self) -> float:
@@ -151,18 +167,37 @@ class RunTimes:
         return self.samples / max(self.generator_busy_s, self.trainer_busy_s)
 
 
-def run_times(run_dir: pathlib.Path) -> RunTimes:
+def run_times(run_dir: pathlib.Path, steps: slice = slice(None)) -> RunTimes:
+    """The run's times over ``steps`` (all of them by default)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "time/step_s" in r]
+    first, stop, _ = steps.indices(len(records))
+    before = records[first - 1] if first > 0 else {}
     times = RunTimes()
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "time/step_s" in record:
-            step_s = record["time/step_s"]
-            times.samples += record["throughput/num_training_samples"]
-            times.seconds += step_s
-            times.generator_busy_s += (1 - record["time/generator_idle_ratio"]) * step_s
-            times.trainer_busy_s += (1 - record["time/trainer_idle_ratio"]) * step_s
-            times.forward_backward_s.append(record["trainer/forward_backward_s"])
+    for record in records[first:stop]:
+        step_s = record["time/step_s"]
+        times.samples += record["throughput/num_training_samples"]
+        times.seconds += step_s
+        times.generator_busy_s += (1 - record["time/generator_idle_ratio"]) * step_s
+        times.trainer_busy_s += (1 - record["time/trainer_idle_ratio"]) * step_s
+        times.forward_backward_s.append(record["trainer/forward_backward_s"])
+    last = records[stop - 1]
+    for counter in ("trained", "finished"):
+        key = f"async/groups_{counter}"
+        setattr(times, f"groups_{counter}", last[key] - before.get(key, 0.0))
     return times
+
+
+def figures_of(sync: RunTimes, asynchronous: RunTimes) -> dict[str, float]:
+    bound = sync.bound_samples_per_s
+    return {
+        "sync": sync.samples_per_s, "async": asynchronous.samples_per_s, "bound": bound,
+        "ratio": asynchronous.samples_per_s / sync.samples_per_s,
+        "efficiency": asynchronous.samples_per_s / bound,
+        "ceiling": bound / sync.samples_per_s,
+        "trainer_slowdown": statistics.median(asynchronous.forward_backward_s)
+        / statistics.median(sync.forward_backward_s),
+    }
 
 
 def median_and_spread(values: list[float]) -> tuple[float, float]:
@@ -183,50 +218,61 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument("--stop-every", type=int, default=8)
     parser.add_argument("--long-every", type=int, default=4)
     parser.add_argument("--long-turns", type=int, default=8)
-    parser.add_argument("--max-staleness", type=int, default=2, help="S of the async side")
+    parser.add_argument("--max-staleness", type=int, default=4, help="S of the async side")
     parser.add_argument("--lr", type=float, default=1e-7,
                         help="small by default: the policy (and so the reply lengths) stays put, "
                              "so every step of both sides draws from one workload")
-    parser.add_argument("--partial-rollout", default="abort", choices=["abort", "none"],
-                        help="the async side's loop.partial_rollout")
+    parser.add_argument("--partial-rollout", default="none", choices=["abort", "none"],
+                        help="the async side's loop.partial_rollout (none: the shipped default)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     out = pathlib.Path(tempfile.mkdtemp(prefix="bench_async_vs_sync_"))
-    figures: dict[str, list[float]] = {"sync": [], "async": [], "bound": [], "ratio": [],
-                                       "efficiency": [], "ceiling": [], "trainer_slowdown": []}
+    # The async side's first S + 1 steps fill the pipeline (step 0 waits for a whole generation,
+    # and the groups admitted at version 0 are due by step S) and in its last S steps the
+    # generator has nothing left to generate: once per run, however long. The steady window
+    # leaves both out, on both sides.
+    steady = slice(args.max_staleness + 1, args.steps - args.max_staleness)
+    if steady.start >= steady.stop:
+        parser.error(f"--steps {args.steps} leaves no steady window at --max-staleness "
+                     f"{args.max_staleness} (it needs more than {2 * args.max_staleness + 1})")
+    figures: dict[str, dict[str, list[float]]] = {"whole": {}, "steady": {}}
     for repeat in range(-args.warmup, args.repeats):
-        times = {}
         for mode in ("sync", "async"):
             name = f"{mode}-{repeat}"
             main(bench_job(out, name, args, mode))
-            times[mode] = run_times(out / name)
-            logger.warning("%s: %.0f samples in %.1f s", name, times[mode].samples,
-                           times[mode].seconds)
+            times = run_times(out / name)
+            logger.warning("%s: %.0f samples in %.1f s", name, times.samples, times.seconds)
         if repeat < 0:
             continue
-        bound = times["sync"].bound_samples_per_s
-        figures["sync"].append(times["sync"].samples_per_s)
-        figures["async"].append(times["async"].samples_per_s)
-        figures["bound"].append(bound)
-        figures["ratio"].append(times["async"].samples_per_s / times["sync"].samples_per_s)
-        figures["efficiency"].append(times["async"].samples_per_s / bound)
-        figures["ceiling"].append(bound / times["sync"].samples_per_s)
-        figures["trainer_slowdown"].append(
-            statistics.median(times["async"].forward_backward_s)
-            / statistics.median(times["sync"].forward_backward_s))
+        for window, steps in (("whole", slice(None)), ("steady", steady)):
+            pair = figures_of(run_times(out / f"sync-{repeat}", steps),
+                              run_times(out / f"async-{repeat}", steps))
+            for key, value in pair.items():
+                figures[window].setdefault(key, []).append(value)
     print(f"bench=async_vs_sync size={args.size} steps={args.steps} repeats={args.repeats} "
+          f"max_staleness={args.max_staleness} partial_rollout={args.partial_rollout} "
           f"groups_per_step={args.groups_per_step} group_size={args.group_size} "
           f"long_every={args.long_every} long_turns={args.long_turns} "
-          f"stop_every={args.stop_every}")
-    for key, values in figures.items():
-        middle, spread = median_and_spread(values)
-        print(f"{key}: median={middle:.3f} spread={spread:.1%} runs="
-              + ",".join(f"{v:.3f}" for v in values))
-    median = {key: statistics.median(values) for key, values in figures.items()}
-    print(f"ratio={median['ratio']:.2f} async_samples_per_s={median['async']:.2f} "
-          f"sync_samples_per_s={median['sync']:.2f} bound_samples_per_s={median['bound']:.2f} "
-          f"efficiency={median['efficiency']:.2f} ceiling={median['ceiling']:.2f} "
-          f"trainer_slowdown={median['trainer_slowdown']:.2f}")
+          f"stop_every={args.stop_every} steady_steps={steady.start}..{steady.stop - 1}")
+    median: dict[str, dict[str, float]] = {}
+    for window, values_by_key in figures.items():
+        median[window] = {}
+        for key, values in values_by_key.items():
+            middle, spread = median_and_spread(values)
+            median[window][key] = middle
+            print(f"{window} {key}: median={middle:.3f} spread={spread:.1%} runs="
+                  + ",".join(f"{v:.3f}" for v in values))
+    whole, steady_median = median["whole"], median["steady"]
+    print(f"ratio={whole['ratio']:.2f} async_samples_per_s={whole['async']:.2f} "
+          f"sync_samples_per_s={whole['sync']:.2f} bound_samples_per_s={whole['bound']:.2f} "
+          f"efficiency={whole['efficiency']:.2f} ceiling={whole['ceiling']:.2f} "
+          f"trainer_slowdown={whole['trainer_slowdown']:.2f} "
+          f"steady_ratio={steady_median['ratio']:.2f} "
+          f"steady_async_samples_per_s={steady_median['async']:.2f} "
+          f"steady_sync_samples_per_s={steady_median['sync']:.2f} "
+          f"steady_bound_samples_per_s={steady_median['bound']:.2f} "
+          f"steady_efficiency={steady_median['efficiency']:.2f} "
+          f"steady_ceiling={steady_median['ceiling']:.2f}")
 
 
 if __name__ == "__main__":
