@@ -229,10 +229,6 @@ def run(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     out = pathlib.Path(tempfile.mkdtemp(prefix="bench_async_vs_sync_"))
-    # The async side's first S + 1 steps fill the pipeline (step 0 waits for a whole generation,
-    # and the groups admitted at version 0 are due by step S) and in its last S steps the
-    # generator has nothing left to generate: once per run, however long. The steady window
-    # leaves both out, on both sides.
     steady = slice(args.max_staleness + 1, args.steps - args.max_staleness)
     if steady.start >= steady.stop:
         parser.error(f"--steps {args.steps} leaves no steady window at --max-staleness "
