@@ -1,4 +1,4 @@
-"""Batcher: next-fit packing into a [microbatch][dp rank] grid, shifted targets, drops counted."""
+"""Batcher: first-fit decreasing packing into a [microbatch][dp rank] grid, shifted targets, drops counted."""
 
 from __future__ import annotations
 
@@ -24,22 +24,38 @@ def _sample(index: int, num_tokens: int, prompt: int = 2, logprob: float = -1.0)
     )
 
 
-def test_trainer_batcher_next_fit_grid_matches_the_worked_example():
+def test_trainer_batcher_first_fit_decreasing_grid_matches_the_worked_example():
     samples = [_sample(i, n) for i, n in enumerate([5, 3, 6, 2, 7])]
     batch = Batcher.Config(seq_len=8).build(dp_size=2).pack(samples)
     assert batch.input_ids.shape == (2, 2, 1, 8)
-    # rows [5+3] [6+2] [7] [padding], dealt out microbatch-major then rank
+    # longest first: rows [7] [6+2] [5+3] [padding], dealt out microbatch-major then rank;
+    # a document id is the sample's index in the input
     docs = batch.document_ids.reshape(4, 8)
-    assert docs[0].tolist() == [0] * 5 + [1] * 3
+    assert docs[0].tolist() == [4] * 7 + [-1]
     assert docs[1].tolist() == [2] * 6 + [3] * 2
-    assert docs[2].tolist() == [4] * 7 + [-1]
+    assert docs[2].tolist() == [0] * 5 + [1] * 3
     assert docs[3].tolist() == [-1] * 8
-    assert batch.positions.reshape(4, 8)[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert batch.positions.reshape(4, 8)[2].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
     assert batch.metrics["batcher/pct_pad_in_batch"] == pytest.approx(100 * (32 - 23) / 32)
     assert batch.metrics["batcher/num_rows"] == 3
     assert batch.metrics["batcher/num_microbatches"] == 2
     # every completion token is the target of the position before it, so all of them count
     assert batch.num_valid_tokens == sum(n - 2 for n in [5, 3, 6, 2, 7])
+
+
+def test_trainer_batcher_fills_earlier_rows_where_next_fit_would_open_new_ones():
+    # next-fit in input order: [5] [6] [3+2], 3 rows; first-fit decreasing: [6+2] [5+3]
+    samples = [_sample(i, n) for i, n in enumerate([5, 6, 3, 2])]
+    batch = Batcher.Config(seq_len=8).build().pack(samples)
+    assert batch.metrics["batcher/num_rows"] == 2
+    assert batch.metrics["batcher/pct_pad_in_batch"] == 0.0
+    docs = batch.document_ids.reshape(2, 8)
+    assert docs[0].tolist() == [1] * 6 + [3] * 2
+    assert docs[1].tolist() == [0] * 5 + [2] * 3
+    # each sample's tokens are whole and in order wherever it lands
+    tokens = batch.input_ids.reshape(2, 8)
+    assert tokens[0, 6:].tolist() == [400, 401]
+    assert tokens[1, :5].tolist() == [100, 101, 102, 103, 104]
 
 
 def test_trainer_batcher_targets_are_the_next_token_and_stop_at_sample_end():

@@ -1,13 +1,18 @@
 """TrainingSamples -> a grid of packed rows: [microbatch][dp rank][row] x seq_len.
 
-Packing is next-fit in input order: a sample goes into the open row if it fits, else a new row is
-opened. Rows are then dealt out in order, ``rows_per_microbatch`` rows to each data-parallel rank
-per microbatch; the grid's tail is filled with all-padding rows, so every rank runs the same number
-of microbatches (FSDP collectives need that).
+Packing is first-fit decreasing: samples, longest first (ties in input order), each go into the
+first row with room, else into a new row. A padded position costs what a real one does; on this
+project's multi-turn batches next-fit in input order left 16-29 % padding, first-fit decreasing
+5-11 % (the main job's step 1.23x faster, README). Rows are then dealt out in
+order, ``rows_per_microbatch`` rows to each data-parallel rank per microbatch; the grid's tail is
+filled with all-padding rows, so every rank runs the same number of microbatches (FSDP
+collectives need that). The loss is a sum over the whole grid, so where a sample lands does not
+change what is trained.
 
 Worked example: seq_len 8, samples of 5, 3, 6, 2, 7 tokens, dp_size 2, rows_per_microbatch 1:
-rows [5+3] [6+2] [7]; grid of 2 microbatches x 2 ranks = 4 rows, the 4th all padding;
-pct_pad_in_batch = 100 * (32 - 23) / 32.
+longest first 7, 6, 5, 3, 2 -> rows [7] [6+2] [5+3]; grid of 2 microbatches x 2 ranks = 4 rows,
+the 4th all padding; pct_pad_in_batch = 100 * (32 - 23) / 32. (Next-fit in input order gives 3
+rows here too; for 5, 6, 3, 2 it gives [5] [6] [3+2] where first-fit decreasing gives [6+2] [5+3].)
 
 Inside a row each sample keeps its own positions (0, 1, ...), so attention can be blocked per sample
 (``models.qwen3.block_causal_mask``) and RoPE sees the same positions as one sample per row.
@@ -103,7 +108,8 @@ class Batcher(Configurable):
         self.dp_size = dp_size
 
     def pack(self, samples: Sequence[TrainingSample]) -> TrainingBatch:
-        """Pack ``samples`` (next-fit, input order) into a TrainingBatch grid."""
+        """Pack ``samples`` (first-fit decreasing) into a TrainingBatch grid; a sample's document
+        id is its index in ``samples``."""
         seq_len = self.config.seq_len
         kept: list[int] = []
         dropped = 0
@@ -118,14 +124,16 @@ class Batcher(Configurable):
                 kept.append(index)
 
         rows: list[list[int]] = []
-        used = seq_len  # forces a new row for the first sample
-        for index in kept:
+        room: list[int] = []  # free tokens left in each row
+        for index in sorted(kept, key=lambda i: -samples[i].num_tokens):  # stable: ties in order
             n = samples[index].num_tokens
-            if used + n > seq_len:
+            row = next((r for r, free in enumerate(room) if free >= n), None)
+            if row is None:
                 rows.append([])
-                used = 0
-            rows[-1].append(index)
-            used += n
+                room.append(seq_len)
+                row = len(rows) - 1
+            rows[row].append(index)
+            room[row] -= n
 
         per_microbatch = self.dp_size * self.config.rows_per_microbatch
         num_microbatches = max(1, math.ceil(len(rows) / per_microbatch))
