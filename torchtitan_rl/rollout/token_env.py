@@ -148,7 +148,10 @@ class TokenEnv:
     async def _call(self, awaitable: Any) -> Any:
         if self._step_timeout_s is None:
             return await awaitable
-        return await asyncio.wait_for(awaitable, timeout=self._step_timeout_s)
+        # Not asyncio.wait_for: it wraps every env call in a task of its own, which the
+        # controller pays for on every turn of every rollout.
+        async with asyncio.timeout(self._step_timeout_s):
+            return await awaitable
 
     def _fail(self, status: RolloutStatus, error: str, text: str,
               exc: BaseException | None = None) -> TokenEnvStep:
