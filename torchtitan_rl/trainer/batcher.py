@@ -6,8 +6,8 @@ project's multi-turn batches next-fit in input order left 16-29 % padding, first
 5-11 % (the main job's step 1.23x faster, README). Rows are then dealt out in
 order, ``rows_per_microbatch`` rows to each data-parallel rank per microbatch; the grid's tail is
 filled with all-padding rows, so every rank runs the same number of microbatches (FSDP
-collectives need that). The loss is a sum over the whole grid, so where a sample lands does not
-change what is trained.
+collectives need that). The loss is a sum over the whole grid, so where a sample lands changes
+only the order of float sums.
 
 Worked example: seq_len 8, samples of 5, 3, 6, 2, 7 tokens, dp_size 2, rows_per_microbatch 1:
 longest first 7, 6, 5, 3, 2 -> rows [7] [6+2] [5+3]; grid of 2 microbatches x 2 ranks = 4 rows,
