@@ -95,10 +95,12 @@ def test_request_submitted_while_others_run_joins_the_running_batch(engine: Any)
     assert a.token_ids == list(reference["a"].token_ids) and len(a.token_ids) == 40
     assert b.token_ids == list(reference["b"].token_ids)
     assert [s.num_requests_in_engine for s in steps[:2]] == [1, 1]
-    # "b" arrived during step 3: one rank alone ends its burst (4 steps here) to admit it at
-    # once, so it is in step 4 (a fixed burst would hold it back to step 5).
+    # "b" arrived after step 2 (while the engine thread ran step 3, or before it began: the
+    # thread steps on while step 2's outputs are handled on the event loop): one rank alone ends
+    # its burst (4 steps here) to admit it at once, so it is in step 3 or 4 (a fixed burst
+    # would hold it back to step 5).
     assert CONFIG.max_engine_steps_between_decisions == 4
-    assert [s.num_requests_in_engine for s in steps[2:4]] == [1, 2]
+    assert steps[3].num_requests_in_engine == 2
     assert max(s.num_requests_in_engine for s in steps) == 2
     assert b.metrics.num_inflight_requests == 2, "b finished while a was still running"
     assert a.metrics.num_inflight_requests == 1

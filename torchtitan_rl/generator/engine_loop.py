@@ -105,6 +105,8 @@ class EngineLoop:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopped_error: BaseException | None = None
+        self._burst_error: Exception | None = None
+        """An exception of a step's outputs handled on the event loop during the current burst."""
         # ---- counters (every rank) ---------------------------------------------------------
         self.num_steps = 0
         self.num_finished = 0
@@ -296,16 +298,13 @@ class EngineLoop:
         return failures
 
     async def _step_burst(self) -> None:
-        for _ in range(self.max_steps):
-            finished = await self._in_thread(self._step_once)
-            if finished is None:
-                break
-            self._on_step(finished)
-            # Alone (no tensor-parallel peers stepping in lockstep) rank 0 takes new work at the
-            # next step, as vLLM's own loop does: a new turn or a push would otherwise wait for
-            # the rest of the burst. TP ranks keep the fixed burst that every rank agreed on.
-            if self.channel is None and self._inbox.has_news:
-                break
+        # The whole burst is one call into the engine thread: a round trip to the event loop
+        # between two engine steps (two thread wake-ups) is what a step's outputs would cost
+        # otherwise, and on a busy CPU each wake-up can wait for a core.
+        self._burst_error = None
+        await self._in_thread(self._burst, asyncio.get_running_loop())
+        if self._burst_error is not None:
+            raise self._burst_error
         if self.rank == 0 and self._inbox.in_engine and not await self._in_thread(
             self.engine.has_unfinished_requests
         ):
@@ -315,6 +314,28 @@ class EngineLoop:
                 self._inbox.on_left_engine(rid)
                 self._pending.fail(rid, RuntimeError(f"request {rid} left vLLM with no output"))
             logger.error("requests left vLLM with no output: %s", lost)
+
+    def _burst(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Engine thread: up to ``max_steps`` engine steps; each step's finished outputs go to
+        the event loop as soon as the step ends (callbacks run in order, all of them before
+        ``_step_burst`` resumes)."""
+        for _ in range(self.max_steps):
+            finished = self._step_once()
+            if finished is None:
+                return
+            loop.call_soon_threadsafe(self._on_step_in_loop, finished)
+            # Alone (no tensor-parallel peers stepping in lockstep) rank 0 takes new work at the
+            # next step, as vLLM's own loop does: a new turn or a push would otherwise wait for
+            # the rest of the burst. TP ranks keep the fixed burst that every rank agreed on.
+            if self.channel is None and self._inbox.has_news:
+                return
+
+    def _on_step_in_loop(self, finished: list[Any]) -> None:
+        try:
+            self._on_step(finished)
+        except Exception as exc:  # fails the loop in _step_burst, as a failed step would
+            if self._burst_error is None:
+                self._burst_error = exc
 
     def _step_once(self) -> list[Any] | None:
         if not self.engine.has_unfinished_requests():
