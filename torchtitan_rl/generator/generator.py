@@ -323,7 +323,8 @@ async def start_engine_loop(
     if load == "auto":  # the fast path where vLLM's CPU layout allows it
         load = "in_place" if tp == 1 and config.enforce_eager and is_cpu_platform() else "reload"
         logger.info("weight_sync.load='auto': %s", load)
-    puller = WeightPuller(config.model_dir, load=load)  # type: ignore[arg-type]
+    puller = WeightPuller(config.model_dir, load=load,  # type: ignore[arg-type]
+                          repack_cpu_linears=config.weight_sync.repack_cpu_linears)
     await loop.run_in_executor(executor, puller.setup, engine)
     channel = None
     if tp > 1:
