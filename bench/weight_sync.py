@@ -11,7 +11,10 @@ it into vLLM between engine steps (torchtitan_rl/weight_sync/). Cases (transport
   transport ``message``: tensors pickled into the Monarch message;
   transport ``shared_memory``: one copy into a shared segment, references in the message;
   load ``reload``: vLLM ``reload_weights`` (+ the CPU tied-lm_head fix), linears repacked;
-  load ``in_place``: linears unpacked once at engine start, each pull one copy_ per tensor.
+  load ``in_place``: linears unpacked once at engine start, each pull one copy_ per tensor, then
+    vLLM's packed CPU kernels rebuilt from the copied weights (the shipped path);
+  load ``in_place_plain``: the same without the rebuild (``repack_cpu_linears = false``): the
+    linears then run as ``F.linear``, which generates 12-30 % slower (README), for a cheaper push.
 ``gather_s`` is the trainer's state dict; ``stage_s`` its copy into shared memory, which the
 generator's copy overlaps (a streamed push: the references go first and each chunk is announced);
 ``convert_s`` and ``convert_and_load_s`` are what the generator reports for its pull (HF names and
@@ -41,7 +44,8 @@ from monarch.actor import this_host
 
 HERE = pathlib.Path(__file__).resolve().parent
 # (transport, generator weight_sync.load) cases, printed in this order.
-CASES = (("message", "reload"), ("shared_memory", "reload"), ("shared_memory", "in_place"))
+CASES = (("message", "reload"), ("shared_memory", "reload"), ("shared_memory", "in_place_plain"),
+         ("shared_memory", "in_place"))
 REPO_ROOT = HERE.parent
 
 logger = logging.getLogger("bench.weight_sync")
@@ -87,9 +91,11 @@ async def _time_pushes(trainer: Any, generators: Any, transport: str, versions: 
 def _generator_config(model_dir: str, num_threads: int, load: str) -> Any:
     from torchtitan_rl.generator import Generator, WeightSyncPolicy
 
+    policy = WeightSyncPolicy(load="in_place", repack_cpu_linears=False) \
+        if load == "in_place_plain" else WeightSyncPolicy(load=load)  # type: ignore[arg-type]
     return Generator.Config(
         model_dir=model_dir, dtype="float32", max_model_len=256, kv_cache_bytes=64 << 20,
-        torch_num_threads=num_threads, weight_sync=WeightSyncPolicy(load=load),  # type: ignore[arg-type]
+        torch_num_threads=num_threads, weight_sync=policy,
     )
 
 
