@@ -79,6 +79,9 @@ class CompletionMetrics:
     generation_time_s: float = 0.0
     """From entering the engine to the final output."""
     num_output_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    """Prompt tokens whose KV the engine took from its prefix cache (a multi-turn rollout's
+    earlier turns), not computed again."""
     num_inflight_requests: int = 0
     """Requests in the engine (added, not yet finished or aborted) when this one finished,
     this one included."""

@@ -16,7 +16,7 @@ from torchtitan_rl.rollout import (
     rollout_group_to_training_samples,
     rollout_metrics,
 )
-from torchtitan_rl.types import Sampling
+from torchtitan_rl.types import Completion, GenerateRequest, Sampling
 
 
 def _rollouter(make_env, **overrides) -> Rollouter:  # type: ignore[no-untyped-def]
@@ -270,3 +270,27 @@ def test_rollouter_generate_failure_fails_the_group_and_closes_every_env() -> No
     with pytest.raises(ConnectionError, match="generator actor died"):
         run(rollouter.run_group_rollouts(ScriptedGenerate(reply), {}, 0))
     assert len(envs) == 4 and all(env.closed == 1 for env in envs)
+
+
+def test_rollouter_keeps_each_turns_prefix_cache_hits_and_metrics_give_their_share() -> None:
+    scripted = ScriptedGenerate(lambda rid, _: "yes")
+
+    async def generate(request: GenerateRequest) -> Completion | None:
+        completion = await scripted(request)
+        assert completion is not None
+        # As if the engine had cached every prompt token but the last 4 of the later turns.
+        turn = int(request.request_id.rsplit("=", 1)[1])
+        completion.metrics.num_cached_prompt_tokens = (
+            len(request.prompt_token_ids) - 4 if turn else 0)
+        return completion
+
+    rollouter = _rollouter(lambda episode: CountingEnv(episode["turns"]))
+    group = run(rollouter.run_group_rollouts(generate, {"episode_id": "e1", "turns": 3}, 0,
+                                             sampling=Sampling(max_tokens=8, seed=1)))
+    turns = [t for r in group.rollouts for t in r.turns]
+    assert [t.num_cached_prompt_tokens for t in turns[:3]] == [
+        0, len(turns[1].prompt_token_ids) - 4, len(turns[2].prompt_token_ids) - 4]
+    cached = sum(t.num_cached_prompt_tokens for t in turns)
+    assert cached > 0
+    assert rollout_metrics([group])["rollout/prefix_cache_hit_ratio"] == pytest.approx(
+        cached / sum(len(t.prompt_token_ids) for t in turns))

@@ -72,6 +72,11 @@ class Generator(Actor, Configurable):
         """No CUDA graphs / compilation (the only mode on CPU)."""
         enable_prefix_caching: bool = True
         """Reuse KV of shared prompt prefixes (multi-turn sessions)."""
+        block_size: int | None = 32
+        """Tokens per KV cache block; the prefix cache reuses whole blocks only, so a next turn
+        recomputes up to ``block_size - 1`` tokens of its history. None: vLLM's platform default,
+        128 on CPU, where histories under 128 tokens were never reused (``bench/async_vs_sync.py``
+        prefilled twice the tokens). vLLM's CPU attention needs a multiple of 32."""
         max_engine_steps_between_decisions: int = 16
         """Engine steps per burst before rank 0 decides again (admits new requests, pulls,
         aborts). Higher: fewer broadcasts and prefill interruptions; lower: faster admission."""
@@ -100,6 +105,8 @@ class Generator(Actor, Configurable):
                          "max_engine_steps_between_decisions"):
                 if getattr(self, name) < 1:
                     raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            if self.block_size is not None and self.block_size < 1:
+                raise ValueError(f"block_size must be >= 1 or None, got {self.block_size}")
             if self.max_restarts < 0:
                 raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
             if self.torch_num_threads is not None and self.torch_num_threads < 1:

@@ -83,6 +83,7 @@ class PendingRequests:
             queue_time_s=admitted_at - entry.submitted_at,
             time_to_first_token_s=first_token_latency_s(output),
             generation_time_s=now - admitted_at,
+            num_cached_prompt_tokens=output.num_cached_tokens or 0,
             num_inflight_requests=num_in_engine,
         )
         try:

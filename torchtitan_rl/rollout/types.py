@@ -73,6 +73,8 @@ class RolloutTurn:
     credit only."""
     advantage: float | None = None
     """This turn's own advantage (per-turn credit); None: its tokens take the rollout's."""
+    num_cached_prompt_tokens: int = 0
+    """Prompt tokens the generator took from its prefix cache (`CompletionMetrics`)."""
     num_special_tokens: int = 0
     """Special tokens (the tokenizer's, e.g. the pad <|endoftext|> or <|im_start|>) sampled inside
     the reply; the end-of-turn token that ends a stopped reply does not count. They are trained on

