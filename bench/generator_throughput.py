@@ -100,6 +100,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     config = Generator.Config(
         model_dir=str(model_dir), max_model_len=512, kv_cache_bytes=args.kv_cache_mib << 20,
         max_engine_steps_between_decisions=args.steps_per_decision,
+        # Every repeat sends the same prompts: a prefix cache would serve them from the last one.
+        enable_prefix_caching=False,
     )
     engine = build_engine(config)
     if args.via == "actor":
