@@ -15,7 +15,7 @@ the 4th all padding; pct_pad_in_batch = 100 * (32 - 23) / 32. (Next-fit in input
 rows here too; for 5, 6, 3, 2 it gives [5] [6] [3+2] where first-fit decreasing gives [6+2] [5+3].)
 
 Inside a row each sample keeps its own positions (0, 1, ...), so attention can be blocked per sample
-(``models.qwen3.block_causal_mask``) and RoPE sees the same positions as one sample per row.
+(``models.qwen3.document_spans``) and RoPE sees the same positions as one sample per row.
 Position i of a sample predicts token i + 1: ``labels``, ``loss_mask``, ``generator_logprobs``,
 ``advantages`` and ``policy_versions`` at position i describe token i + 1 (the last position of a
 sample predicts nothing and has mask 0). Padding tokens have position 0 (each its own document),
