@@ -36,8 +36,12 @@ def test_each_step_reports_mfu_against_the_measured_peak(model_dir):  # noqa: F8
     assert metrics["trainer/peak_tflops"] == pytest.approx(peak / 1e12)
     assert 0 < metrics["trainer/mfu"]
     assert metrics["trainer/tflops"] == pytest.approx(metrics["trainer/mfu"] * peak / 1e12)
-    # 4 samples of 12 tokens: the padding of the 32-token rows is not counted
+    # 4 samples of 12 tokens: the padding of the 32-token rows is not counted, and attention
+    # is counted within each sample (seq_len 12), not over the 32-token row
     assert core.utilization.num_tokens == 48
+    cfg = core.model_config
+    assert core.utilization.step_flops == 48 * flops_per_token(cfg, core.model, 12)
+    assert core.utilization.step_flops < 48 * flops_per_token(cfg, core.model, 32)
 
 
 def test_peak_is_a_positive_rate():

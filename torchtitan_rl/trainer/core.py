@@ -193,7 +193,7 @@ class PolicyTrainerCore(Configurable):
         (reduced over data-parallel ranks)."""
         if batch.dp_size != self.dp_size:
             raise ValueError(f"batch has dp_size {batch.dp_size}, the trainer has {self.dp_size}")
-        self.utilization.start(seq_len=batch.input_ids.shape[3])
+        self.utilization.start()
         start = time.perf_counter()
         self.model.train()
         sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)

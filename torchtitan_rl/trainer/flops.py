@@ -1,18 +1,25 @@
 """Model FLOPs utilization on any device: torchtitan's FLOPs per token over a peak measured here.
 
     flops_per_token = model_config.get_nparams_and_flops(model, seq_len)   torchtitan's formula:
-                      6 x params (forward + backward, embeddings excluded) + attention
+                      6 x params (forward + backward, embeddings excluded) + attention, the
+                      latter 12 x layers x heads x head_dim x seq_len
     peak_flops      = measure_peak_flops(...)   once, when the trainer is built (before the
                       controller spawns any generator, so nothing else computes on the machine):
                       the best of a few matmuls of the model's own shapes (PEAK_ROWS x hidden x
                       intermediate) in the training dtype
-    trainer/mfu     = flops_per_token x real (non-padding) tokens / step seconds / peak_flops
+    step FLOPs      = sum over the step's samples of flops_per_token(seq_len = the sample's
+                      length) x its length (padding counted nowhere)
+    trainer/mfu     = step FLOPs / step seconds / peak_flops
     UtilizationMeter: the trainer's per-step bookkeeping of the above (start, count, finish)
 
 torchtitan reports MFU against a GPU's datasheet peak; a CPU has none worth trusting (it depends
 on the cores, the threads torch was given and the matrix shapes), so the peak is measured on the
 machine, with the shapes this model multiplies. Padding tokens are computed but not counted:
-MFU falls when batches are padded, which is what it should show.
+MFU falls when batches are padded, which is what it should show. Attention is counted per sample,
+as if each sample were its own sequence (what the trainer computes since packed rows attend per
+sample): torchtitan's formula at the row length credited every token with the whole row, so the
+same samples counted more FLOPs in longer rows (on the async bench's 576-token rows, half of a
+step's counted FLOPs were attention at the row's length).
 """
 
 from __future__ import annotations
@@ -59,41 +66,47 @@ def measure_peak_flops(*, hidden: int, intermediate: int, rows: int, dtype: torc
 
 
 class UtilizationMeter:
-    """One trainer rank's step: ``start`` (forward_backward begins), ``count`` (real tokens of each
-    microbatch), ``finish`` (after the optimizer step). The peak is measured when the meter is
+    """One trainer rank's step: ``start`` (forward_backward begins), ``count`` (real tokens and their
+    FLOPs, each microbatch), ``finish`` (after the optimizer step). The peak is measured when the meter is
     built: a peak measured at the first step ran beside a generator loading its engine and read
     up to 40 % low (the same step's MFU then read 0.39-0.66 across runs)."""
 
     def __init__(self, *, model_config: object, model: torch.nn.Module, dtype: torch.dtype,
                  device: torch.device, tensor_parallel_degree: int) -> None:
-        self.model_config = model_config
-        self.model = model
         self.tensor_parallel_degree = tensor_parallel_degree
         weights = [p for n, p in model.named_parameters() if n.endswith("feed_forward.w1.weight")]
         intermediate, hidden = weights[0].shape if weights else (1024, 1024)
         self.peak_flops = measure_peak_flops(hidden=hidden, intermediate=intermediate,
                                              rows=PEAK_ROWS, dtype=dtype, device=device)
-        self.flops_per_token = 0
-        self._seq_len = 0
+        self._dense_flops_per_token = flops_per_token(model_config, model, 0)
+        # torchtitan's attention term is linear in the sequence length
+        self._attention_flops_per_token_pair = (
+            flops_per_token(model_config, model, 1) - self._dense_flops_per_token)
         self.num_tokens = 0
+        """Real tokens of the current step."""
+        self.step_flops = 0
+        """Model FLOPs of the current step's real tokens (all of it, every tensor-parallel rank)."""
         self._start = 0.0
 
-    def start(self, *, seq_len: int) -> None:
-        if seq_len != self._seq_len:  # attention's share depends on the row length
-            self.flops_per_token = flops_per_token(self.model_config, self.model, seq_len)
-            self._seq_len = seq_len
+    def start(self) -> None:
         self.num_tokens = 0
+        self.step_flops = 0
         self._start = time.perf_counter()
 
     def count(self, document_ids: torch.Tensor) -> None:
-        """Real tokens of one microbatch (document id -1 is padding)."""
-        self.num_tokens += int((document_ids >= 0).sum())
+        """Real tokens and model FLOPs of one microbatch (document id -1 is padding; a document
+        id is one sample, in one row)."""
+        _, lengths = torch.unique(document_ids[document_ids >= 0], return_counts=True)
+        num_tokens = int(lengths.sum())
+        self.num_tokens += num_tokens
+        self.step_flops += (self._dense_flops_per_token * num_tokens
+                            + self._attention_flops_per_token_pair * int((lengths * lengths).sum()))
 
     def finish(self) -> dict[str, float]:
         seconds = time.perf_counter() - self._start
         if not self.peak_flops or seconds <= 0:
             return {}
         # A tensor-parallel rank computes 1/tp of every token's FLOPs.
-        flops = self.flops_per_token / self.tensor_parallel_degree * self.num_tokens / seconds
+        flops = self.step_flops / self.tensor_parallel_degree / seconds
         return {"trainer/mfu": flops / self.peak_flops, "trainer/tflops": flops / 1e12,
                 "trainer/peak_tflops": self.peak_flops / 1e12}
