@@ -26,8 +26,9 @@ from the idle ratios), i.e. what a perfect overlap of those seconds would give;
 ``efficiency = async / bound`` and ``ceiling = bound / sync``. Async can pass the bound: the sync
 generator's busy seconds include the ones its nearly empty batch spends on stragglers, which the
 async generator fills with later steps' requests. The default workload (``demo`` model, groups
-of 8) keeps the generator and the trainer nearly as busy (the generator ~20 % more), where overlap
-gives the most; with ``--size tiny`` the generator is the busier by far.
+of 8) kept the generator and the trainer nearly as busy, where overlap gives the most; each
+faster trainer since (less padding, per-sample attention) left the generator the busier (a
+ceiling of 1.64-1.65 in the sync run); with ``--size tiny`` the generator is the busier by far.
 ``trainer_slowdown`` is the trainer's median forward-backward time in the async run over the sync
 run: what running next to the generator costs it.
 
