@@ -66,10 +66,10 @@ def measure_peak_flops(*, hidden: int, intermediate: int, rows: int, dtype: torc
 
 
 class UtilizationMeter:
-    """One trainer rank's step: ``start`` (forward_backward begins), ``count`` (real tokens and their
-    FLOPs, each microbatch), ``finish`` (after the optimizer step). The peak is measured when the meter is
-    built: a peak measured at the first step ran beside a generator loading its engine and read
-    up to 40 % low (the same step's MFU then read 0.39-0.66 across runs)."""
+    """One trainer rank's step: ``start`` (forward_backward begins), ``count`` (each microbatch's
+    real tokens and their FLOPs), ``finish`` (after the optimizer step). The peak is measured when
+    the meter is built: a peak measured at the first step ran beside a generator loading its
+    engine and read up to 40 % low (the same step's MFU then read 0.39-0.66 across runs)."""
 
     def __init__(self, *, model_config: object, model: torch.nn.Module, dtype: torch.dtype,
                  device: torch.device, tensor_parallel_degree: int) -> None:
