@@ -24,7 +24,12 @@ class WeightSyncPolicy:
     reset_prefix_cache: bool = True
     """Drop the prefix cache at each pull, so no new request reuses KV computed by old weights.
     vLLM can only drop blocks no running request holds: under hot swap without
-    ``reset_running_requests`` the running requests' blocks stay cached."""
+    ``reset_running_requests`` the running requests' blocks stay cached. Both off, the KV is
+    kept over a pull (as PipelineRL's in-flight updates keep running sequences';
+    ``bench/async_vs_sync.py --keep-kv``: async 12-13 % faster), but a cached block such as a
+    shared system prompt's can then outlive any number of pulls, so new requests may attend to
+    KV of weights older than ``max_staleness``; each token's recorded logprob is still what was
+    sampled, which the off-policy correction weighs by."""
     reset_running_requests: bool = True
     """At a hot-swap pull, preempt the running requests so their KV is recomputed with the new
     weights (tokens after the pull are then exactly what the new weights give for prompt + tokens
