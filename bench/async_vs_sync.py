@@ -2,7 +2,7 @@
 the same config, in one run.
 
     python bench/async_vs_sync.py [--size demo] [--steps 40] [--repeats 3] [--max-staleness 4]
-                                  [--keep-kv]
+                                  [--kv-at-pull recompute|keep_running|keep_all]
 
 Heavy-tailed response lengths come from the environment mix: most episodes end after one
 assistant turn, one in ``--long-every`` runs ``--long-turns`` turns (the env answers "go on"
@@ -135,8 +135,8 @@ def bench_job(output_dir: pathlib.Path, name: str, args: argparse.Namespace,
                           stop_token_ids=list(range(3, 1024, args.stop_every))),
         generator=Generator.Config(
             max_model_len=budget + 64, kv_cache_bytes=64 << 20, torch_num_threads=1,
-            weight_sync=WeightSyncPolicy(reset_prefix_cache=not args.keep_kv,
-                                         reset_running_requests=not args.keep_kv)),
+            weight_sync=WeightSyncPolicy(reset_prefix_cache=args.kv_at_pull != "keep_all",
+                                         reset_running_requests=args.kv_at_pull == "recompute")),
         batcher=Batcher.Config(seq_len=budget),
         trainer=PolicyTrainer.Config(optimizer=OptimizerConfig(lr=args.lr), num_threads=1),
         loop=TrainingLoop.Config(
@@ -231,11 +231,12 @@ def run(argv: list[str] | None = None) -> None:
                              "so every step of both sides draws from one workload")
     parser.add_argument("--partial-rollout", default="none", choices=["abort", "none"],
                         help="the async side's loop.partial_rollout (none: the shipped default)")
-    parser.add_argument("--keep-kv", action="store_true",
-                        help="both sides keep the KV cache over a weight pull (PipelineRL's choice: "
-                             "generator.weight_sync.reset_prefix_cache and reset_running_requests "
-                             "off); by default a pull drops it, so every later token is exactly "
-                             "what the new weights give")
+    parser.add_argument("--kv-at-pull", default="recompute",
+                        choices=["recompute", "keep_running", "keep_all"],
+                        help="both sides' generator.weight_sync at a pull. recompute (the "
+                             "default): drop the prefix cache, recompute running requests' KV. "
+                             "keep_running: running requests keep their KV (reset_running_requests "
+                             "off), new ones never reuse older weights' KV. keep_all: both off")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     out = pathlib.Path(tempfile.mkdtemp(prefix="bench_async_vs_sync_"))
@@ -259,7 +260,7 @@ def run(argv: list[str] | None = None) -> None:
                 figures[window].setdefault(key, []).append(value)
     print(f"bench=async_vs_sync size={args.size} steps={args.steps} repeats={args.repeats} "
           f"max_staleness={args.max_staleness} partial_rollout={args.partial_rollout} "
-          f"keep_kv={args.keep_kv} "
+          f"kv_at_pull={args.kv_at_pull} "
           f"groups_per_step={args.groups_per_step} group_size={args.group_size} "
           f"long_every={args.long_every} long_turns={args.long_turns} "
           f"stop_every={args.stop_every} steady_steps={steady.start}..{steady.stop - 1}")

@@ -22,18 +22,19 @@ class WeightSyncPolicy:
     mode: Literal["hot_swap", "drain"] = "hot_swap"
     """'hot_swap' (pull between steps, requests keep running) or 'drain' (finish them first)."""
     reset_prefix_cache: bool = True
-    """Drop the prefix cache at each pull, so no new request reuses KV computed by old weights.
-    vLLM can only drop blocks no running request holds: under hot swap without
-    ``reset_running_requests`` the running requests' blocks stay cached. Both off, the KV is
-    kept over a pull (as PipelineRL's in-flight updates keep running sequences';
-    ``bench/async_vs_sync.py --keep-kv``: async 12-13 % faster), but a cached block such as a
-    shared system prompt's can then outlive any number of pulls, so new requests may attend to
-    KV of weights older than ``max_staleness``; each token's recorded logprob is still what was
-    sampled, which the off-policy correction weighs by."""
+    """At each pull no new request reuses KV computed by older weights: the prefix cache is
+    dropped, or, under hot swap without ``reset_running_requests`` (vLLM resets its cache only
+    when no request holds a block), every request's cache keys carry the policy version it was
+    admitted under. Off (with ``reset_running_requests`` off too), the whole cache is kept: a
+    block such as a shared system prompt's can outlive any number of pulls, so new requests may
+    attend to KV of weights older than ``max_staleness`` (each token's recorded logprob is still
+    what was sampled, which the off-policy correction weighs by)."""
     reset_running_requests: bool = True
     """At a hot-swap pull, preempt the running requests so their KV is recomputed with the new
     weights (tokens after the pull are then exactly what the new weights give for prompt + tokens
-    so far). Needs ``reset_prefix_cache``; no effect under ``drain`` (nothing runs at the pull)."""
+    so far). Off, running requests keep their KV over the pull, as PipelineRL's in-flight updates
+    do (faster async: README, ``bench/async_vs_sync.py --kv-at-pull``). Needs
+    ``reset_prefix_cache``; no effect under ``drain`` (nothing runs at the pull)."""
 
     load: Literal["auto", "reload", "in_place"] = "auto"
     """How a pull writes into vLLM. 'reload': vLLM's ``reload_weights`` (any device, any

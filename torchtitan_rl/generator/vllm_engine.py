@@ -138,9 +138,13 @@ def sampling_params(sampling: Sampling) -> SamplingParams:
     )
 
 
-def add_request(engine: LLMEngine, request: EngineRequest) -> None:
+def add_request(engine: LLMEngine, request: EngineRequest, cache_salt: str | None = None) -> None:
+    """``cache_salt``: the request shares prefix-cache blocks only with requests of the same salt."""
     # render_cmpl is vLLM's input pipeline (no tokenization for token-id prompts).
-    (engine_input,) = engine.renderer.render_cmpl([{"prompt_token_ids": request.prompt_token_ids}])
+    prompt: dict[str, Any] = {"prompt_token_ids": request.prompt_token_ids}
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    (engine_input,) = engine.renderer.render_cmpl([prompt])
     engine.add_request(request.request_id, engine_input, sampling_params(request.sampling))
 
 
