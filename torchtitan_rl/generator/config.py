@@ -63,3 +63,11 @@ class WeightSyncPolicy:
     @property
     def drain_before_pull(self) -> bool:
         return self.mode == "drain"
+
+    @property
+    def salts_prefix_cache_by_version(self) -> bool:
+        """Whether requests' prefix-cache keys carry their admission's policy version instead of
+        a reset at each pull: vLLM resets its cache only when no request holds a block, and
+        running requests keep theirs over a hot-swap pull without ``reset_running_requests``."""
+        return self.reset_prefix_cache and not self.reset_running_requests \
+            and not self.drain_before_pull

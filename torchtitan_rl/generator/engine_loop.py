@@ -290,7 +290,7 @@ class EngineLoop:
     def _add_requests(self, requests: list[EngineRequest]) -> dict[str, Exception]:
         # A request vLLM refuses (too long, bad token id) fails alone, identically on every rank.
         failures: dict[str, Exception] = {}
-        salt = str(self.policy_version) if self._salt_prefix_cache else None
+        salt = str(self.policy_version) if self.weight_sync.salts_prefix_cache_by_version else None
         for request in requests:
             try:
                 add_request(self.engine, request, cache_salt=salt)
@@ -375,21 +375,14 @@ class EngineLoop:
         self._pulls.finish(version, apply_s)
         logger.info("rank %d: pulled policy version %d in %.3f s", self.rank, version, apply_s)
 
-    @property
-    def _salt_prefix_cache(self) -> bool:
-        # vLLM resets its prefix cache only when no request holds a block: running requests that
-        # keep their KV over a hot-swap pull would keep every block cached. Salting each request's
-        # cache keys with the policy version it was admitted under does the reset's job instead.
-        policy = self.weight_sync
-        return (policy.reset_prefix_cache and not policy.reset_running_requests
-                and not policy.drain_before_pull)
-
     def _apply_pull(self, version: int, weights: Any) -> None:
         self.apply_weights(self.engine, weights)
         self.engine.set_weight_version(str(version))
-        if self.weight_sync.reset_prefix_cache and not self._salt_prefix_cache:
-            running = self.weight_sync.reset_running_requests and not self.weight_sync.drain_before_pull
-            if not self.engine.reset_prefix_cache(reset_running_requests=running):
+        policy = self.weight_sync
+        if policy.reset_prefix_cache and not policy.salts_prefix_cache_by_version:
+            # Under hot swap this preempts the running requests; under drain none is running.
+            if not self.engine.reset_prefix_cache(
+                    reset_running_requests=not policy.drain_before_pull):
                 logger.warning("rank %d: vLLM kept its prefix cache at the pull of version %d "
                                "(a request held blocks)", self.rank, version)
 
