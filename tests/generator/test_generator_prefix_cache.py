@@ -3,13 +3,20 @@ rollout's next turn reuses the KV of the turns before it, and says how much in i
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import random
 from typing import Any
 
 import pytest
-from generator_testlib import build_engine, new_loop, req, run, tiny_config
+from generator_testlib import build_engine, greedy, new_loop, req, run, tiny_config, tiny_dir
 
+from torchtitan_rl.generator import StepStats, WeightSyncPolicy
+from torchtitan_rl.models.qwen3 import (
+    load_hf_state_dict,
+    torchtitan_qwen3_config,
+    torchtitan_state_dict_from_hf,
+)
 from torchtitan_rl.types import Completion, Sampling
 
 
@@ -64,15 +71,6 @@ def test_running_requests_keep_their_kv_over_a_pull_and_new_ones_never_hit_older
     request holds blocks, so each request's cache keys carry the policy version it was admitted
     under; a request admitted after the pull misses the blocks of the turns before it, and hits
     the blocks of requests admitted under the same version."""
-    from generator_testlib import greedy, tiny_dir
-
-    from torchtitan_rl.generator import StepStats, WeightSyncPolicy
-    from torchtitan_rl.models.qwen3 import (
-        load_hf_state_dict,
-        torchtitan_qwen3_config,
-        torchtitan_state_dict_from_hf,
-    )
-
     config = tiny_config(weight_sync=WeightSyncPolicy(reset_running_requests=False))
     gc.collect()
     engine = build_engine(config)
@@ -81,19 +79,18 @@ def test_running_requests_keep_their_kv_over_a_pull_and_new_ones_never_hit_older
     rng = random.Random(0)
     first_prompt = [rng.randrange(3, 1024) for _ in range(100)]
     sampling = Sampling(max_tokens=10, temperature=0.0)
-    pulls: list[Any] = []
+    pulls: list[asyncio.Task[None]] = []
     steps_of_the_long_request: list[StepStats] = []
 
     async def scenario() -> tuple[Completion, Completion, Completion, Completion]:
-        import asyncio
+        first_done = asyncio.Event()
 
         def on_step(stats: StepStats) -> None:
-            if first_done.is_set() and not pulls:
+            if first_done.is_set() and not pulls:  # pull at the long request's third step
                 steps_of_the_long_request.append(stats)
                 if len(steps_of_the_long_request) == 3:
                     pulls.append(asyncio.create_task(loop.pull_model_state_dict(1, same_weights)))
 
-        first_done = asyncio.Event()
         loop = new_loop(engine, config, on_step=on_step)
         first = await loop.generate(req("group=0/rollout=0/turn=0", first_prompt, sampling))
         first_done.set()
