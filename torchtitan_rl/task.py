@@ -1,7 +1,7 @@
 """What a task is: the episodes to train and validate on, and the environment that plays one.
 
     [task]                                        # the job config names the task class
-    type = "examples.alphabet_sort:AlphabetSortTask"
+    type = "torchtitan_rl.examples.alphabet_sort:AlphabetSortTask"
     max_turns = 2                                 # and its own typed settings
 
     task = job.task.build()                       # a Configurable whose Config subclasses TaskConfig

@@ -17,7 +17,7 @@ from torchtitan_rl.config.manager import GLOBAL_OPTIONS
 from torchtitan_rl.config.source_schema import SourceSchemaError
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-TASKS = [None, "examples.alphabet_sort:AlphabetSortTask", "tests.controller.letter_task:LetterTask"]
+TASKS = [None, "torchtitan_rl.examples.alphabet_sort:AlphabetSortTask", "tests.controller.letter_task:LetterTask"]
 
 
 @pytest.mark.parametrize("task_type", TASKS)

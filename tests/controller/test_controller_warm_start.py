@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from examples.alphabet_sort import AlphabetSortTask
+from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask
 from torchtitan_rl.controller.warm_start import (
     LENGTH_GROUP_BATCHES,
     WarmStart,

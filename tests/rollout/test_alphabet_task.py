@@ -7,10 +7,10 @@ import pickle
 import pytest
 from rollout_testlib import run
 
-from examples.alphabet_sort import AlphabetSortTask
+from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask
 from torchtitan_rl.assets.names import NameBank
-from examples.alphabet_sort.episode import sort_key
-from examples.alphabet_sort.reward import NEW_NAME_MARK
+from torchtitan_rl.examples.alphabet_sort.episode import sort_key
+from torchtitan_rl.examples.alphabet_sort.reward import NEW_NAME_MARK
 
 
 def test_alphabet_episodes_are_deterministic_by_seed_and_index() -> None:

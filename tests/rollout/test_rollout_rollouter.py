@@ -7,7 +7,7 @@ import json
 import pytest
 from rollout_testlib import CountingEnv, ScriptedGenerate, run, tiny_tokenizer
 
-from examples.alphabet_sort import AlphabetSortTask
+from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask
 from torchtitan_rl.rollout import (
     Rollouter,
     RolloutRecorder,

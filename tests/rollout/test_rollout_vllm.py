@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from rollout_testlib import REPO_ROOT, run, tiny_tokenizer
 
-from examples.alphabet_sort import AlphabetSortTask
+from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask
 from torchtitan_rl.rollout import (
     Rollouter,
     RolloutGroup,

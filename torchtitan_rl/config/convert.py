@@ -10,7 +10,7 @@ true (e.g. the job's ``task``) holds any subclass of it. Its table names the con
 ``type`` key, an import path ``package.module:Class`` of a `Configurable` (or of its Config):
 
     [task]
-    type = "examples.alphabet_sort:AlphabetSortTask"
+    type = "torchtitan_rl.examples.alphabet_sort:AlphabetSortTask"
     max_turns = 2
 """
 

@@ -1,1 +1,0 @@
-"""Example tasks for torchtitan_rl (importable: ``examples.alphabet_sort``)."""

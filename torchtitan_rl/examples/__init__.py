@@ -1,0 +1,1 @@
+"""Example tasks for torchtitan_rl (importable: ``torchtitan_rl.examples.alphabet_sort``)."""
