@@ -19,6 +19,8 @@ import pathlib
 import shutil
 import tempfile
 
+from torchtitan_rl.assets.permissions import is_private, share_like_umask
+
 logger = logging.getLogger(__name__)
 
 TOKENIZER_VOCAB_SIZE = 1024
@@ -126,6 +128,7 @@ def make_model(size: str, out_dir: str | os.PathLike, *, seed: int = 0) -> pathl
         GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id).save_pretrained(tmp)
         (tmp / MAKER_FILE).write_text(json.dumps(
             {"maker_version": MAKER_VERSION, "size": size, "seed": seed}, indent=2) + "\n")
+        share_like_umask(tmp)  # mkdtemp made it 0700 and safetensors writes 0600
         if out.exists():
             shutil.rmtree(out, ignore_errors=True)
         try:
@@ -155,6 +158,10 @@ def ensure_model(size: str, root: str | os.PathLike = "assets/models", *, seed: 
     out = pathlib.Path(root) / (size if seed == 0 else f"{size}-seed{seed}")
     if not _matches_spec(out, MODEL_SIZES.get(size), size=size, seed=seed):
         make_model(size, out, seed=seed)
+    elif any(is_private(p) for p in (out, *out.glob("*.safetensors"))):
+        # made before make_model set the umask's modes (0700 / 0600): readable to others now
+        share_like_umask(out)
+        logger.info("%s: modes set from the umask (it was readable to its owner only)", out)
     return out
 
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from torchtitan_rl.assets.permissions import is_private, share_like_umask
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.console import progress_bar
 
@@ -94,6 +95,8 @@ class WarmStart(Configurable):
         """Train the warm start into ``out`` (`output_dir`) unless it is cached there."""
         if (out / "config.json").is_file():
             logger.info("warm start: reusing %s", out)
+            if any(is_private(p) for p in (out, *out.glob("*.safetensors"))):
+                share_like_umask(out)  # cached before the umask's modes were set (0700 / 0600)
             return out
         conversations = [solved_conversation(i) for i in range(self.config.num_conversations)]
         self._train(base_model_dir, conversations, out, seed)
@@ -139,6 +142,7 @@ class WarmStart(Configurable):
             for extra in ("generation_config.json",):
                 if (base_model_dir / extra).exists():
                     shutil.copy(base_model_dir / extra, tmp / extra)
+            share_like_umask(tmp)  # mkdtemp made it 0700 and safetensors writes 0600
             tmp.rename(out)
         finally:
             if tmp.exists():

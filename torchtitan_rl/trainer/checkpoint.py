@@ -32,6 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from torchtitan_rl.assets.permissions import share_like_umask
+
 logger = logging.getLogger(__name__)
 
 # Files of an HF model dir that export_hf copies next to the new weights.
@@ -126,6 +128,7 @@ def export_hf(
             for name, t in hf_state_dict.items()
         }
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        share_like_umask(out / "model.safetensors")  # save_file writes 0600
         if source_dir is not None:
             for name in _HF_SIDE_FILES:
                 src = pathlib.Path(source_dir) / name
