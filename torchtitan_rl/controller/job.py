@@ -67,6 +67,23 @@ def _default_rollouter() -> Rollouter.Config:
     return Rollouter.Config(group_size=8)
 
 
+def check_run_name(key: str, name: str) -> None:
+    """A run name is one folder name inside the output folder: one ConfigError line naming
+    ``key`` and the value otherwise. Checked where the config is built (before a log file or a
+    folder exists): "../x" would put the run beside the checkout, "" or "." make the output
+    folder itself the run folder and ".." its parent (which `checkpoint.overwrite` would move
+    aside); a leading "-" reads as an option to every shell tool."""
+    problem = ("is empty" if not name.strip() else
+               "is '.' or '..'" if name in (".", "..") else
+               "contains a path separator" if "/" in name or "\\" in name else
+               "contains a NUL byte" if "\0" in name else
+               "starts with '-'" if name.startswith("-") else
+               "has leading or trailing spaces" if name != name.strip() else None)
+    if problem is not None:
+        raise ConfigError(f"{key}: {name!r} {problem}; a run name is one folder name (the run "
+                          f"folder is <output_dir>/<name>)")
+
+
 class RLJob(Configurable):
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(Configurable.Config):
@@ -74,8 +91,10 @@ class RLJob(Configurable):
                                     "loop.off_policy_correction, loop.tis_cap"}
 
         name: str = "run"
-        """Run name; the run folder is `<output_dir>/<name>`."""
+        """Run name; the run folder is `<output_dir>/<name>`. One folder name: no '/', '\\', '.',
+        '..', leading '-' or surrounding spaces, not empty."""
         output_dir: str = "runs"
+        """Where run folders go (any path)."""
         seed: int = 0
         """The run's one seed: data order, request sampling seeds, the engines and the trainer
         (each part's own `seed` field is set from it)."""
@@ -107,6 +126,7 @@ class RLJob(Configurable):
         recorder: RolloutRecorder.Config = dataclasses.field(default_factory=RolloutRecorder.Config)
 
         def __post_init__(self) -> None:
+            check_run_name("name", self.name)
             if self.num_generators < 1:
                 raise ValueError(f"num_generators must be >= 1, got {self.num_generators}")
             if self.num_trainer_ranks < 1:
