@@ -14,7 +14,8 @@ it into vLLM between engine steps (torchtitan_rl/weight_sync/). Cases (transport
   load ``in_place``: linears unpacked once at engine start, each pull one copy_ per tensor, then
     vLLM's packed CPU kernels rebuilt from the copied weights (the shipped path);
   load ``in_place_plain``: the same without the rebuild (``repack_cpu_linears = false``): the
-    linears then run as ``F.linear``, which generates 12-30 % slower (README), for a cheaper push.
+    linears then run as ``F.linear``, which generates 12-30 % slower (docs/weight_sync.md), for
+    a cheaper push.
 ``gather_s`` is the trainer's state dict; ``stage_s`` its copy into shared memory, which the
 generator's copy overlaps (a streamed push: the references go first and each chunk is announced);
 ``convert_s`` and ``convert_and_load_s`` are what the generator reports for its pull (HF names and

