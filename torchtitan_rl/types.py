@@ -24,10 +24,14 @@ class Sampling:
     temperature: float = 1.0
     """0 means greedy."""
     top_p: float = 1.0
+    """Nucleus sampling: sample among the most likely tokens whose probabilities add up to
+    top_p, in (0, 1]; 1 disables it."""
     top_k: int = -1
     """-1 disables top-k."""
     seed: int | None = None
-    """Per-request seed: sampling is reproducible whatever else runs in the batch."""
+    """Per-request seed: sampling is reproducible whatever else runs in the batch. None: in a
+    job, the job's `seed` (each request's seed is derived from it and the request's group,
+    rollout and turn); a request sent with None draws from the engine's seed."""
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     """Extra stop tokens beside the model's end-of-turn token."""
 

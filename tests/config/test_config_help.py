@@ -126,3 +126,101 @@ def test_what_the_source_reader_cannot_evaluate_falls_back_to_imports(tmp_path, 
     text = help_text([], usage="usage: x", description="d", global_options=GLOBAL_OPTIONS,
                      root="odd_config:Config")
     assert "--answer int  (default: 42)" in text and "Computed at import time." in text
+
+
+def _task_types() -> list[str]:
+    """Every task class of the package (`package.module:Class` whose nested Config subclasses
+    TaskConfig), found in source: the polymorphic `task` reaches each of them."""
+    import ast
+
+    found = []
+    package = REPO_ROOT / "torchtitan_rl"
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and any(
+                    isinstance(inner, ast.ClassDef) and inner.name == "Config" and any(
+                        ast.unparse(b).endswith("TaskConfig") for b in inner.bases)
+                    for inner in node.body):
+                module = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
+                found.append(f"{module.removesuffix('.__init__')}:{node.name}")
+    return found
+
+
+@pytest.mark.parametrize("task_type", [None, *_task_types()])
+def test_every_option_is_explained(task_type):
+    """Every field of every config class reachable from the job's root config has help text;
+    a Literal field's text names each of its choices, an optional field's says what None means."""
+    import re
+
+    sections = static_sections(ROOT_CONFIG, task_type)
+    assert any(s.path == "task" for s in sections)
+    undocumented = [o.path for s in sections for o in s.options if not o.doc.strip()]
+    assert undocumented == [], f"options without a field docstring: {undocumented}"
+    assert [s.path for s in sections if s.path and not s.doc.strip()] == []
+    for section in sections:
+        for option in section.options:
+            choices = re.findall(r"'([^']*)'", option.type) if option.type.startswith("'") else []
+            missing = [c for c in choices if c not in option.doc]
+            assert not missing, f"{option.path}: the help names no {missing}"
+            if option.type.endswith("| None"):
+                assert "None" in option.doc, f"{option.path}: the help says nothing of None"
+
+
+def test_the_task_types_are_found():
+    assert "torchtitan_rl.examples.alphabet_sort.task:AlphabetSortTask" in _task_types()
+
+
+def _help(*argv: str) -> str:
+    from torchtitan_rl.train import DESCRIPTION, USAGE
+
+    return help_text(list(argv), usage=USAGE, description=DESCRIPTION,
+                     global_options=GLOBAL_OPTIONS)
+
+
+def _headers(text: str) -> list[str]:
+    return [line.removesuffix(" options:") for line in text.splitlines()
+            if line.endswith(" options:") and not line.startswith(" ")]
+
+
+def test_help_section_shows_that_section_and_its_subsections_only():
+    assert _headers(_help("--help", "trainer")) == ["trainer", "trainer.optimizer",
+                                                    "trainer.loss"]
+    out = _help("--help", "generator.sampling")
+    assert _headers(out) == ["generator.sampling"]
+    assert out.startswith("generator.sampling options:\n")
+    assert "--generator.sampling.top_p float  (default: 1.0)" in out
+    assert "--sampling.top_p" not in out and "usage:" not in out
+    assert _headers(_help("-h", "job")) == ["job"]
+    assert _headers(_help("--help=placement")) == ["placement", "placement.slurm",
+                                                   "placement.kubernetes"]
+    # one option by its dotted path
+    out = _help("--help", "sampling.top_p")
+    assert _headers(out) == ["sampling"] and out.count("\n  --") == 1
+    # the TOML's values and its task, as in the whole help
+    out = _help("--config", "run_configs/alphabet_sort_cpu.toml", "--help", "task")
+    assert _headers(out) == ["task"]
+    assert "--task.max_names_per_turn int  (default: 5; TOML: 2)" in out
+
+
+def test_whole_help_starts_with_an_index_of_the_sections():
+    out = _help("--help")
+    index = out.split("sections (--help SECTION", 1)[1].split("\n\n", 1)[0]
+    for name in ("job", "model", "trainer.optimizer", "generator.sampling", "recorder"):
+        assert f" {name}," in index or index.endswith(f" {name}"), name
+    assert _headers(out)[:3] == ["job", "model", "warm_start"]
+
+
+def test_an_unknown_help_section_is_one_error_line_listing_the_sections(capsys):
+    from torchtitan_rl.config.help import print_help
+
+    with pytest.raises(SystemExit) as exit_info:
+        print_help(["--help", "trainer.optimiser"], usage="usage: x", description="d",
+                   global_options=GLOBAL_OPTIONS)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("error: --help trainer.optimiser: no such section; the sections "
+                               "are job, model, warm_start, task, ")
+    assert "trainer.optimizer" in lines[0]

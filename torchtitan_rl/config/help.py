@@ -4,6 +4,10 @@
       --model.size 'tiny' | 'demo' | 'small'  (default: tiny; TOML: demo)
           With an empty `path`: the project's own random model of this size, ...
 
+``--help SECTION`` (``--help trainer``, ``--help generator.sampling``) shows that section and its
+subsections only (``job``: the job's own fields; a dotted option, e.g. ``--help sampling.top_p``:
+that option); the full help starts with an index of the sections.
+
 Fast by construction: the options are read from the source files (config/source_schema.py), so
 ``--help`` imports neither torch nor vLLM nor Monarch (~0.3 s instead of ~6 s). The polymorphic
 ``task`` shows the options of the task class that ``--task.type`` or the TOML's ``[task] type``
@@ -53,8 +57,47 @@ class Section:
     options: list[Option] = dataclasses.field(default_factory=list)
 
 
+ROOT_SECTION = "job"
+"""How ``--help`` names the section of the root config's own fields (its dotted prefix is "")."""
+
+
 def wants_help(argv: list[str]) -> bool:
-    return "-h" in argv or "--help" in argv
+    return any(a in ("-h", "--help") or a.startswith("--help=") for a in argv)
+
+
+def help_topic(argv: list[str]) -> str | None:
+    """The section ``--help SECTION`` (or ``--help=SECTION``, ``-h SECTION``) asks for; None for
+    the whole help. A token after ``--help`` that starts with ``-`` is the next option."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--help="):
+            return arg.partition("=")[2] or None
+        if arg in ("-h", "--help") and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            return argv[i + 1]
+    return None
+
+
+def select(sections: list[Section], topic: str) -> list[Section]:
+    """The sections ``--help topic`` shows: the section named ``topic`` and its subsections, or
+    the one option whose dotted path is ``topic``. Raises ConfigError (one line listing the
+    sections) for anything else."""
+    from torchtitan_rl.config.errors import ConfigError
+
+    name = topic.strip().strip(".")
+    if name == ROOT_SECTION:
+        return [s for s in sections if s.path == ""]
+    chosen = [s for s in sections if s.path == name or s.path.startswith(name + ".")]
+    if chosen:
+        return chosen
+    for section in sections:
+        for option in section.options:
+            if option.path == name:
+                return [dataclasses.replace(section, options=[option])]
+    raise ConfigError(f"--help {topic}: no such section; the sections are "
+                      f"{', '.join(section_names(sections))}")
+
+
+def section_names(sections: list[Section]) -> list[str]:
+    return [s.path or ROOT_SECTION for s in sections]
 
 
 def show(value: Any) -> str:
@@ -233,15 +276,33 @@ def _ordered(sections: dict[str, Section]) -> list[Section]:
 
 
 # ---- rendering -----------------------------------------------------------------------------------
+def _width(width: int | None) -> int:
+    return width or max(60, min(110, shutil.get_terminal_size((100, 24)).columns))
+
+
 def render(sections: list[Section], *, usage: str, description: str,
            global_options: Iterable[tuple[str, str]], width: int | None = None) -> str:
-    width = width or max(60, min(110, shutil.get_terminal_size((100, 24)).columns))
+    """The whole help: usage, description, an index of the sections, the global options, then
+    every section."""
+    width = _width(width)
     lines = [*textwrap.wrap(usage, width, subsequent_indent="    ", break_on_hyphens=False),
-             "", *textwrap.wrap(description, width), "", "options:"]
+             "", *textwrap.wrap(description, width), "",
+             "sections (--help SECTION shows one with its subsections, e.g. --help trainer):",
+             *textwrap.wrap(", ".join(section_names(sections)), width, initial_indent="  ",
+                            subsequent_indent="  ", break_on_hyphens=False),
+             "", "options:"]
     for flag, text in global_options:
         lines += _entry(flag, text, width)
+    lines += render_sections(sections, width=width)
+    return "\n".join(lines) + "\n"
+
+
+def render_sections(sections: list[Section], *, width: int | None = None) -> list[str]:
+    """Each section's header, doc and options (each preceded by a blank line)."""
+    width = _width(width)
+    lines: list[str] = []
     for section in sections:
-        lines += ["", f"{section.path or 'job'} options:"]
+        lines += ["", f"{section.path or ROOT_SECTION} options:"]
         if section.doc:
             lines += textwrap.wrap(" ".join(section.doc.split()), width, initial_indent="  ",
                                    subsequent_indent="  ")
@@ -250,7 +311,7 @@ def render(sections: list[Section], *, usage: str, description: str,
             if option.toml is not None:
                 shown += f"; TOML: {option.toml}"
             lines += _entry(f"--{option.path} {option.type}  ({shown})", option.doc, width)
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _entry(head: str, doc: str, width: int) -> list[str]:
@@ -280,7 +341,19 @@ def print_help(argv: list[str], *, usage: str, description: str,
 def help_text(argv: list[str], *, usage: str, description: str,
               global_options: Iterable[tuple[str, str]], root: str = ROOT_CONFIG) -> str:
     """The help for ``argv``: its ``--config`` TOML's values beside the defaults, and the options
-    of the task that ``--task.type`` or the TOML names. Raises ConfigError for a bad TOML file."""
+    of the task that ``--task.type`` or the TOML names; only the asked section for ``--help
+    SECTION``. Raises ConfigError for a bad TOML file or an unknown section."""
+    sections = sections_for(argv, root=root)
+    topic = help_topic(argv)
+    if topic is not None:
+        return "\n".join(render_sections(select(sections, topic))[1:]) + "\n"
+    return render(sections, usage=usage, description=description, global_options=global_options)
+
+
+def sections_for(argv: list[str], *, root: str = ROOT_CONFIG) -> list[Section]:
+    """The option sections of ``root`` for a command line: the task's options when
+    ``--task.type`` or the ``--config`` TOML names one, each option's TOML value beside its
+    default. Raises ConfigError for a bad TOML file."""
     from torchtitan_rl.config.manager import load_toml
 
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -299,7 +372,7 @@ def help_text(argv: list[str], *, usage: str, description: str,
             value = _lookup(data, option.path)
             if value is not _ABSENT:
                 option.toml = show(value)
-    return render(sections, usage=usage, description=description, global_options=global_options)
+    return sections
 
 
 _ABSENT = object()

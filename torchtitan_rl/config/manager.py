@@ -52,7 +52,9 @@ LOG_LEVELS = ("info", "debug")
 LOG_LEVEL_ENV = "TORCHTITAN_RL_LOG_LEVEL"
 
 GLOBAL_OPTIONS: list[tuple[str, str]] = [
-    ("-h, --help", "show this help (each option's type, default and docstring) and exit"),
+    ("-h, --help [SECTION]", "show this help (each option's type, default and docstring) and "
+                             "exit; with a SECTION (e.g. trainer, generator.sampling), only that "
+                             "section and its subsections"),
     ("--config TOML", "a run config file (defaults < TOML < command line); its values are "
                       "shown beside the defaults below"),
     ("--print-config", "print the config as written (defaults < TOML < CLI) as TOML and exit"),

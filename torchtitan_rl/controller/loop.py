@@ -67,8 +67,10 @@ class TrainingLoop(Configurable):
         staleness: StalenessGate.Config = dataclasses.field(default_factory=_default_staleness)
         """max_staleness S: 0 = synchronous, 1 = one-step-off, ... (see staleness.py)."""
         partial_rollout: Literal["none", "abort"] = "none"
-        """abort: at each weight push, running requests are aborted and resumed as prompt +
-        partial tokens on the new weights (per-token logprobs and versions kept). Needs S >= 1."""
+        """none: requests run to their end on the weights they started with (hot swap and
+        weight_sync settings decide what happens at a pull). abort: at each weight push,
+        running requests are aborted and resumed as prompt + partial tokens on the new weights
+        (per-token logprobs and versions kept). Needs S >= 1."""
         off_policy_correction: Literal["auto", "tis", "none"] = "auto"
         """tis: truncated importance sampling at token level (``trainer.loss.tis_cap`` set to
         ``tis_cap`` when the loss has none of its own): stale tokens are weighted by

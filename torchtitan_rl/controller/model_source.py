@@ -17,7 +17,9 @@ class ModelSource(Configurable):
         """A local HF model directory (config.json, safetensors, tokenizer). Empty: use `size`."""
         size: Literal["tiny", "demo", "small"] = "tiny"
         """With an empty `path`: the project's own random model of this size, written to
-        `<assets_dir>/<size>` on first use (no hub)."""
+        `<assets_dir>/<size>` on first use (no hub). tiny: ~0.14M parameters, tied embeddings
+        (tests). demo: ~1.1M, untied (the CPU GRPO demo). small: ~32M, torchtitan's Qwen3
+        debugmodel shape (benchmarks)."""
         assets_dir: str = "assets/models"
         """Where made models are cached."""
 

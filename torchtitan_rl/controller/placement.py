@@ -64,6 +64,7 @@ class SlurmPlacement:
     monarch_port: int = 22222
     """TCP port the Monarch worker listens on, on every node."""
     job_name: str = "torchtitan_rl"
+    """The Slurm job's name (sbatch --job-name), as squeue shows it."""
     exclusive: bool = True
     """Nodes are not shared with other jobs."""
     slurm_args: list[str] = dataclasses.field(default_factory=list)
@@ -79,6 +80,7 @@ class KubernetesPlacement:
     and are found by label selector."""
 
     namespace: str = "default"
+    """Kubernetes namespace of the worker pods."""
     trainer_label_selector: str = ""
     """Selector of the trainer's pods ("" = the operator's default for mesh "trainer")."""
     generators_label_selector: str = ""

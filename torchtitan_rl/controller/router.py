@@ -33,6 +33,11 @@ class GeneratorRouter(Configurable):
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(Configurable.Config):
         strategy: Literal["round_robin", "least_loaded", "sticky_session"] = "sticky_session"
+        """Which generator serves a request. round_robin: the generators in turn.
+        least_loaded: the one with the fewest requests in flight. sticky_session: every turn of
+        a rollout goes to the generator that served its first turn (its prefix stays in that
+        engine's KV cache); new sessions go to the least loaded one, and sessions move off a
+        generator while it pulls weights."""
         max_sessions: int = 100_000
         """Sticky sessions remembered (least recently used are forgotten first)."""
 

@@ -48,7 +48,10 @@ class WarmStart(Configurable):
         lr: float = 2e-3
         """AdamW learning rate (measured: 2e-3 learns, 5e-3 fails to take off)."""
         beta2: float = 0.98
+        """AdamW's second-moment decay (beta1 is 0.9), in [0, 1)."""
         warmup_steps: int = 20
+        """Linear learning-rate warm-up: step s (0-based) uses lr * min(1, (s + 1) /
+        warmup_steps); 0 or 1: no warm-up."""
         num_conversations: int = 4096
         """Distinct solved training conversations to sample batches from."""
         group_by_length: bool = False
@@ -56,6 +59,9 @@ class WarmStart(Configurable):
         cut them into batches (HF Trainer's group_by_length): far less padding where
         conversations differ in length (multi-turn episodes), the same conversations seen."""
         cache_dir: str = "assets/warmstart"
+        """Where warm-started models are cached, one folder per digest of their inputs (base
+        model files, task settings, seed, these settings); a later run with the same inputs
+        reuses it."""
 
         def __post_init__(self) -> None:
             for name in ("num_steps", "batch_size", "num_conversations"):

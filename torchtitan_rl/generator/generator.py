@@ -59,7 +59,9 @@ class Generator(Actor, Configurable):
         """HF model directory (config.json, safetensors, tokenizer). None: the controller fills it
         from the job's model source before spawning."""
         dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-        """Engine dtype; float32 keeps generator logprobs within ~1e-6 of the trainer's on CPU."""
+        """Engine dtype. float32: generator logprobs within ~1e-6 of the trainer's on CPU.
+        bfloat16, float16: half the memory, logprobs further from the trainer's. auto: vLLM's
+        choice from the model's config.json."""
         tensor_parallel_degree: int = 1
         """Ranks (processes) per generator; > 1 uses vLLM's external_launcher backend."""
         max_model_len: int = 2048
@@ -84,7 +86,9 @@ class Generator(Actor, Configurable):
         aborts). Higher: fewer broadcasts and prefill interruptions; lower: faster admission."""
         weight_sync: WeightSyncPolicy = dataclasses.field(default_factory=WeightSyncPolicy)
         sampling: Sampling = dataclasses.field(default_factory=Sampling)
-        """Sampling for generate() calls that pass none."""
+        """Sampling for generate() calls that pass none. Unused in a job: every request a job
+        sends carries the job's `sampling` (validation with validation.temperature), so a job
+        refuses values here other than the defaults."""
         seed: int = 0
         """Engine seed (requests without Sampling.seed draw from it)."""
         initial_policy_version: int = 0

@@ -60,12 +60,18 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class OptimizerConfig:
+    """The trainer's AdamW (torch.optim.AdamW, foreach)."""
+
     lr: float = 1e-5
     """AdamW peak learning rate (after warm-up). > 0."""
     beta1: float = 0.9
+    """AdamW's first-moment (momentum) decay, in [0, 1)."""
     beta2: float = 0.999
+    """AdamW's second-moment decay, in [0, 1)."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay (multiplied by lr each step); 0 disables it. >= 0."""
     eps: float = 1e-8
+    """Added to the denominator's square root for numerical stability. > 0."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:

@@ -69,9 +69,11 @@ class AlphabetSortTask(Configurable):
         seed: int = 0
         """Fixes every episode (turn counts, names, sort key, prompt placeholders)."""
         min_turns: int = 1
+        """Fewest turns per episode (>= 1)."""
         max_turns: int = 3
         """Turns per episode, uniform in [min_turns, max_turns]."""
         min_names_per_turn: int = 1
+        """Fewest new names per turn (>= 1)."""
         max_names_per_turn: int = 5
         """New names per turn, uniform in [min_names_per_turn, max_names_per_turn]."""
         similarity_power: int = 4
@@ -79,7 +81,11 @@ class AlphabetSortTask(Configurable):
         power_per_turn: bool = True
         """Raise each turn's similarity to the power (then average), else average then raise."""
         num_train_episodes: int = 100_000
+        """Episodes of the training split; training draws them in a shuffled order, epoch
+        after epoch. >= 1."""
         num_validation_episodes: int = 256
+        """Episodes of the held-out validation split; validation.num_prompts takes the first
+        ones. >= 1."""
         names_seed: int = 0
         """Seed of the NameBank the name pools come from."""
         num_names: int = 2000
@@ -91,7 +97,7 @@ class AlphabetSortTask(Configurable):
         on: tests copying unseen strings). shared: validation episodes are still held out (their
         own seed, never trained on) but draw names from the training pool."""
         system_prompt: str | None = None
-        """Optional system message opening every episode."""
+        """A system message opening every episode; None: no system message."""
 
         def __post_init__(self) -> None:
             for name in ("min_turns", "min_names_per_turn", "similarity_power",
