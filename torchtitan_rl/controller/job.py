@@ -39,7 +39,7 @@ from typing import Any
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.config.convert import to_data
 from torchtitan_rl.config.errors import ConfigError
-from torchtitan_rl.controller.checkpointer import Checkpointer, ControllerState
+from torchtitan_rl.controller.checkpointer import Checkpointer, ControllerState, flat_config
 from torchtitan_rl.controller.loop import TrainingLoop
 from torchtitan_rl.controller.model_source import ModelSource
 from torchtitan_rl.controller.placement import Placement
@@ -201,7 +201,8 @@ class RLJob(Configurable):
         run_dir = pathlib.Path(plan.run_dir)
         checkpointer = plan.checkpoint.build(
             run_dir=run_dir, num_steps=plan.loop.num_steps,
-            step_logs=[run_dir / "metrics.jsonl", run_dir / plan.recorder.path])
+            step_logs=[run_dir / "metrics.jsonl", run_dir / plan.recorder.path],
+            job_config=flat_config(self.config))  # saved with each checkpoint, checked on resume
         found = checkpointer.prepare_run_dir()
         state = ControllerState(step=0, next_group_id=0)
         resume_dir = None
