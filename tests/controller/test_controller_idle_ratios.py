@@ -8,7 +8,8 @@ import pytest
 
 from torchtitan_rl.types import GenerateRequest
 
-from torchtitan_rl.controller.idle_ratios import BusyClock, BusyGenerateFn, IdleRatios
+from torchtitan_rl.controller.idle_ratios import BusyClock, IdleRatios
+from torchtitan_rl.controller.router import GeneratorRouter
 
 
 class FakeClock:
@@ -52,7 +53,7 @@ def test_idle_ratios_per_step_window():
     assert second["time/generator_idle_ratio"] == 1.0 and second["time/trainer_idle_ratio"] == 1.0
 
 
-def test_busy_generate_fn_times_the_inner_calls_and_passes_results_through():
+def test_router_times_its_generators_calls_and_passes_results_through():
     t = FakeClock()
 
     async def inner(request: GenerateRequest):
@@ -61,8 +62,8 @@ def test_busy_generate_fn_times_the_inner_calls_and_passes_results_through():
             raise RuntimeError("engine died")
         return request.prompt_token_ids[::-1]
 
-    fn = BusyGenerateFn(inner, BusyClock(t))
+    fn = GeneratorRouter(GeneratorRouter.Config(), generators=[inner], busy_clock=BusyClock(t))
     assert asyncio.run(fn(GenerateRequest(prompt_token_ids=[1, 2], request_id="a"))) == [2, 1]
     with pytest.raises(RuntimeError, match="engine died"):
         asyncio.run(fn(GenerateRequest(prompt_token_ids=[1], request_id="boom")))
-    assert fn.clock.busy_seconds() == 4.0 and fn.clock.num_open == 0
+    assert fn.busy_clock.busy_seconds() == 4.0 and fn.busy_clock.num_open == 0

@@ -24,6 +24,9 @@ from torchtitan_rl.models.qwen3 import (
     torchtitan_state_dict_from_hf,
 )
 from torchtitan_rl.types import Completion, Sampling
+from torchtitan_rl.weight_sync import pull_on_every_rank
+
+pytestmark = pytest.mark.slow  # Monarch procs and vLLM engines
 
 
 def _scaled_torchtitan_weights(scale: float) -> dict:
@@ -48,7 +51,7 @@ def test_tp2_ranks_generate_identical_tokens_equal_to_tp1_before_and_after_a_pul
             before = await asyncio.gather(*[
                 handle.generate(req(rid, p, s)) for rid, p, s in requests])
             digests_before = await handle.get_finished_digests()
-            timings = await handle.pull_model_state_dict(1, new_weights)
+            timings = await pull_on_every_rank(handle.actors, 1, new_weights)
             assert len(timings) == 2 and all(set(t) == {"convert_s", "load_s"} for t in timings)
             after = await asyncio.gather(*[
                 handle.generate(req(f"{rid}-v1", p, s)) for rid, p, s in requests])
@@ -93,7 +96,7 @@ def test_tp1_actor_serves_generate_abort_pull_and_close() -> None:
             long = handle.generate(req("long", [8, 9], greedy(400)))
             seen["num_aborted"] = await handle.abort(None)
             seen["long"] = await long
-            await handle.pull_model_state_dict(3, _scaled_torchtitan_weights(1.5))
+            await pull_on_every_rank(handle.actors, 3, _scaled_torchtitan_weights(1.5))
             seen["version"] = await handle.get_policy_version()
             seen["pulled"] = await handle.generate(req("pulled", [5, 6, 7], greedy(8)))
             pending = handle.generate(req("pending", [8, 9], greedy(400)))

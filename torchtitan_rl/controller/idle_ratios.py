@@ -1,6 +1,6 @@
 """How busy the generators and the trainer were: the idle ratios logged every step.
 
-    parts:  generate_fn = BusyGenerateFn(router)      every rollout/validation request passes here
+    router: busy_clock.enter() / exit() around every rollout/validation request
     loop (each step):
         generator idle ratio = 1 - (time with >= 1 request in flight) / step window
         trainer idle ratio   = 1 - (train + weight push time) / step window
@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-
-from torchtitan_rl.types import Completion, GenerateFn, GenerateRequest
 
 
 class BusyClock:
@@ -46,21 +44,6 @@ class BusyClock:
     def busy_seconds(self) -> float:
         """Busy time so far, counting an interval still open up to now."""
         return self._busy_s + (self._clock() - self._since if self._open else 0.0)
-
-
-class BusyGenerateFn:
-    """A GenerateFn that times how long any request of ``inner`` was in flight."""
-
-    def __init__(self, inner: GenerateFn, clock: BusyClock | None = None) -> None:
-        self.inner = inner
-        self.clock = clock or BusyClock()
-
-    async def __call__(self, request: GenerateRequest) -> Completion | None:
-        self.clock.enter()
-        try:
-            return await self.inner(request)
-        finally:
-            self.clock.exit()
 
 
 class IdleRatios:

@@ -46,7 +46,7 @@ from torchtitan_rl.controller.placement import Placement
 from torchtitan_rl.controller.parts import RunParts
 from torchtitan_rl.controller.resolved_job import ResolvedJob
 from torchtitan_rl.controller.router import GeneratorRouter
-from torchtitan_rl.controller.spawn import SpawnTrainerRanks, build_parts
+from torchtitan_rl.controller.spawn import SpawnTrainer, build_parts
 from torchtitan_rl.controller.supervision import MeshFailureWatch, RunFailedError
 from torchtitan_rl.controller.validation import Validator
 from torchtitan_rl.controller.warm_start import WarmStart
@@ -194,8 +194,8 @@ class RLJob(Configurable):
         return asyncio.run(self.run_async())
 
     async def run_async(self, *,
-                        spawn_trainer_ranks: SpawnTrainerRanks | None = None) -> dict[str, Any]:
-        """``spawn_trainer_ranks``: the torchrun ranks in place of a trainer mesh (torchrun.py)."""
+                        spawn_trainer: SpawnTrainer | None = None) -> dict[str, Any]:
+        """``spawn_trainer``: the torchrun ranks in place of a trainer mesh (torchrun.py)."""
         wall_start = time.perf_counter()
         plan = self.resolve()
         run_dir = pathlib.Path(plan.run_dir)
@@ -218,7 +218,7 @@ class RLJob(Configurable):
         _dump_tasks_on_sigusr1()
         with MeshFailureWatch() as watch:
             parts = await build_parts(
-                plan, checkpointer=checkpointer, spawn_trainer_ranks=spawn_trainer_ranks,
+                plan, checkpointer=checkpointer, spawn_trainer=spawn_trainer,
                 on_fatal=watch.fail, resume_step=state.step if resume_dir is not None else None)
             watch.attach(parts.generators)
             try:

@@ -29,7 +29,6 @@ from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.console import CONSOLE
 from torchtitan_rl.controller.checkpointer import ControllerState, FinishedGroup
 from torchtitan_rl.controller.idle_ratios import IdleRatios
-from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
 from torchtitan_rl.controller.parts import RunParts
 from torchtitan_rl.controller.staleness import StalenessGate
 from torchtitan_rl.controller.supervision import RunFailedError
@@ -114,7 +113,8 @@ class TrainingLoop(Configurable):
             first_group_id=state.next_group_id,
         )
         self.train_episodes = parts.task.dataset("train")
-        self.idle_ratios = IdleRatios(parts.generate_fn.clock)
+        assert parts.generators.router is not None, "the pool spawned its generators"
+        self.idle_ratios = IdleRatios(parts.generators.router.busy_clock)
         self.num_admitted = self.num_finished = self.num_dropped = 0
         self.num_skipped_steps = self.num_skipped_in_row = self.num_checkpoints = 0
         self.num_groups_restarted = 0
@@ -233,9 +233,6 @@ class TrainingLoop(Configurable):
             **parts.generators.metrics(),
             "generator/groups_restarted_after_loss": float(self.num_groups_restarted),
         }
-        resuming = parts.generate_fn.inner
-        if isinstance(resuming, ResumingGenerateFn):  # partial rollouts
-            metrics["generator/num_resumed_requests"] = float(resuming.num_resumed)
         if "rollout_reward/mean" in metrics:
             state.reward_history.append((step, metrics["rollout_reward/mean"]))
         parts.metrics.log(step, metrics)

@@ -3,9 +3,10 @@
     task ------------- episodes (train / validation) and environments
     cursor ----------- group id -> training prompt index (resume needs one integer)
     rollouter -------- episode -> scored RolloutGroup, through generate_fn
-    generate_fn ------ BusyGenerateFn(ResumingGenerateFn?(router)): idle clock, partial rollouts
+    generate_fn ------ the router over the generators (ResumingGenerateFn?(router): partial
+                       rollouts); the router keeps the generators' busy clock
     generators ------- GeneratorPool: the vLLM meshes, their router, weight pushes, replacement
-    trainer ---------- TrainerClient: train_step, push_to(generator), checkpoints, HF export
+    trainer ---------- TrainerClient: train_step, push_weights(generator), checkpoints, HF export
     hosts ------------ RunHosts: the placement's host meshes (closed last)
     validator -------- held-out reward
     checkpointer ----- trainer DCP + controller state; resume
@@ -21,15 +22,14 @@ from typing import TYPE_CHECKING
 from torchtitan_rl.controller.checkpointer import Checkpointer
 from torchtitan_rl.controller.data_cursor import DataCursor
 from torchtitan_rl.controller.generator_pool import GeneratorPool
-from torchtitan_rl.controller.idle_ratios import BusyGenerateFn
 from torchtitan_rl.controller.placement import RunHosts
-from torchtitan_rl.controller.trainer_client import TrainerClient
 from torchtitan_rl.controller.validation import Validator
 from torchtitan_rl.metrics.logger import MetricsLogger
 from torchtitan_rl.rollout.recorder import RolloutRecorder
 from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.task import Task
-from torchtitan_rl.types import Sampling
+from torchtitan_rl.trainer.trainer import TrainerClient
+from torchtitan_rl.types import GenerateFn, Sampling
 
 if TYPE_CHECKING:  # transformers is heavy to import; only its type is named here
     from transformers import PreTrainedTokenizerBase
@@ -47,7 +47,7 @@ class RunParts:
     group_size: int
     sampling: Sampling
     """Training rollouts' sampling (its seed is the base of every request seed)."""
-    generate_fn: BusyGenerateFn
+    generate_fn: GenerateFn
     generators: GeneratorPool
     trainer: TrainerClient
     hosts: RunHosts

@@ -8,6 +8,9 @@ Strategies:
   kept. While a generator syncs weights, new sessions avoid it and its sessions are re-pinned to
   the least-loaded generator that is not syncing.
 
+The router also keeps the generators' busy clock (time with at least one request in flight), from
+which the loop logs the generator idle ratio (idle_ratios.py).
+
 A generator that raises fails the request with that error; the router never retries silently. A
 lost generator is taken out (``take_out``) until its replacement is put back (``put_back``): its
 sessions are re-pinned, and with no generator left a request waits for one.
@@ -24,6 +27,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.controller.idle_ratios import BusyClock
 from torchtitan_rl.types import Completion, GenerateFn, GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -45,11 +49,14 @@ class GeneratorRouter(Configurable):
             if self.max_sessions < 1:
                 raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
 
-    def __init__(self, config: Config, *, generators: Sequence[GenerateFn]) -> None:
+    def __init__(self, config: Config, *, generators: Sequence[GenerateFn],
+                 busy_clock: BusyClock | None = None) -> None:
         if not generators:
             raise ValueError("the router needs at least one generator")
         self.config = config
         self.generators = list(generators)
+        self.busy_clock = busy_clock or BusyClock()
+        """Open while any request is in flight on any generator."""
         self.inflight_requests = [0] * len(generators)
         self.num_routed = [0] * len(generators)
         self._syncing: set[int] = set()
@@ -112,12 +119,14 @@ class GeneratorRouter(Configurable):
         index = self.pick(request.session_id)
         self.inflight_requests[index] += 1
         self.num_routed[index] += 1
+        self.busy_clock.enter()
         logger.debug("route %s (session %s) -> generator %d", request.request_id,
                      request.session_id, index)
         try:
             return await self.generators[index](request)
         finally:
             self.inflight_requests[index] -= 1
+            self.busy_clock.exit()
 
     def metrics(self) -> dict[str, float]:
         return {f"router/generator_{i}/num_routed": float(n) for i, n in enumerate(self.num_routed)}

@@ -4,12 +4,12 @@
         hosts:             plan.placement -> RunHosts (placement.py: this host, simulated hosts,
                            attached workers, Slurm, Kubernetes), every host up
         trainer mesh:      hosts.trainer.spawn_procs(ranks per host) -> PolicyTrainer per proc
-                           (or spawn_trainer_ranks(config, model_dir): the torchrun ranks)
-                           -> TrainerClient
+                           -> MonarchTrainerClient (or spawn_trainer(...): the torchrun
+                           ranks behind a TorchrunTrainerClient)
         generator meshes:  GeneratorPool: plan.generators[i] -> spawn_generator on
                            hosts.generator_host(i) (TP procs each), each one's weight transport,
                            the router over them, replacement of a lost one on its host
-        generate_fn:       BusyGenerateFn(ResumingGenerateFn(router) with partial rollouts)
+        generate_fn:       the pool's router (ResumingGenerateFn(router) with partial rollouts)
         task, tokenizer, cursor, rollouter, validator, metrics, recorder
     -> RunParts (controller/parts.py)
 
@@ -19,30 +19,28 @@ Where the run's meshes are spawned (GeneratorPool spawns and replaces the genera
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from typing import Protocol
 
 from torchtitan_rl.controller.checkpointer import Checkpointer
 from torchtitan_rl.controller.data_cursor import DataCursor
 from torchtitan_rl.controller.generator_pool import GeneratorPool
-from torchtitan_rl.controller.idle_ratios import BusyGenerateFn
 from torchtitan_rl.controller.parts import RunParts
-from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
 from torchtitan_rl.controller.resolved_job import ResolvedJob
-from torchtitan_rl.controller.trainer_client import (
-    MonarchTrainerRanks,
-    TrainerClient,
-    TrainerRanks,
-)
-from torchtitan_rl.trainer.trainer import PolicyTrainer
-from torchtitan_rl.types import GenerateFn
+from torchtitan_rl.trainer.batcher import Batcher
+from torchtitan_rl.trainer.trainer import MonarchTrainerClient, PolicyTrainer, TrainerClient
 
-SpawnTrainerRanks = Callable[[PolicyTrainer.Config, pathlib.Path], Awaitable[TrainerRanks]]
-"""(trainer config, model dir) -> the trainer ranks, in place of spawning a trainer mesh."""
+
+class SpawnTrainer(Protocol):
+    """Starts the trainer ranks in place of spawning a trainer mesh (a torchrun launch)."""
+
+    async def __call__(self, config: PolicyTrainer.Config, model_dir: pathlib.Path, *,
+                       batcher: Batcher.Config, verify_push: bool) -> TrainerClient: ...
 
 
 async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
                       on_fatal: Callable[[str], None], resume_step: int | None = None,
-                      spawn_trainer_ranks: SpawnTrainerRanks | None = None) -> RunParts:
+                      spawn_trainer: SpawnTrainer | None = None) -> RunParts:
     """Spawn and build every part; ``checkpointer`` has prepared the run folder already,
     ``resume_step`` is the step a resumed run continues from (the weights the generators will be
     pushed), ``on_fatal`` fails the run (a generator that cannot be replaced)."""
@@ -57,34 +55,34 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
     rollouter = plan.rollouter.build(tokenizer=tokenizer, make_env=task.make_env)
     validator = plan.validation.build(rollouter=rollouter, dataset=task.dataset("validation"))
     cursor = DataCursor(num_prompts=len(task.dataset("train")), seed=plan.seed)
-    ranks: TrainerRanks | None = None
+    trainer: TrainerClient | None = None
     trainer_procs = None
     pool: GeneratorPool | None = None
     hosts = await plan.placement.build().open(len(plan.generators))
     try:
-        if spawn_trainer_ranks is not None:
-            ranks = await spawn_trainer_ranks(plan.trainer, model_dir)
+        if spawn_trainer is not None:
+            trainer = await spawn_trainer(plan.trainer, model_dir, batcher=plan.batcher,
+                                          verify_push=plan.verify_weight_push)
         else:
             per_host = plan.num_trainer_ranks // plan.placement.trainer_hosts
             trainer_procs = hosts.trainer.spawn_procs(per_host={"procs": per_host})
-            ranks = await MonarchTrainerRanks.spawn(trainer_procs, plan.trainer,
-                                                    model_dir=model_dir)
-        trainer = TrainerClient(ranks, batcher=plan.batcher, verify_push=plan.verify_weight_push)
+            trainer = await MonarchTrainerClient.spawn(
+                trainer_procs, plan.trainer, model_dir=model_dir, batcher=plan.batcher,
+                verify_push=plan.verify_weight_push)
         pool = GeneratorPool(plan.generators, plan.router, trainer=trainer, hosts=hosts,
                              weight_transport=plan.trainer.weight_transport,
                              abort_on_pull=partial_rollouts, policy_version=resume_step or 0,
                              on_fatal=on_fatal)
-        router = await pool.spawn()
+        generate_fn = await pool.spawn()
     except BaseException:
         if pool is not None:
             await pool.close()
-        if ranks is not None:
-            await ranks.close()
+        if trainer is not None:
+            await trainer.close()
         elif trainer_procs is not None:
             await trainer_procs.stop()
         await hosts.close()
         raise
-    inner: GenerateFn = ResumingGenerateFn(router) if partial_rollouts else router
     return RunParts(
         task=task,
         tokenizer=tokenizer,
@@ -92,7 +90,7 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
         rollouter=rollouter,
         group_size=plan.rollouter.group_size,
         sampling=plan.sampling,
-        generate_fn=BusyGenerateFn(inner),
+        generate_fn=generate_fn,
         generators=pool,
         trainer=trainer,
         hosts=hosts,

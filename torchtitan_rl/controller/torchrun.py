@@ -5,20 +5,20 @@
     every rank   train.cli -> torchrun_rank() is set -> run_rank0 / run_follower
                  check_torchrun_config: num_trainer_ranks == WORLD_SIZE, else one ConfigError line
                  TrainerRank.join: the process group torchrun describes + a gloo command group
-    rank 0       RLJob(config).run_async(spawn_trainer_ranks=...): the Monarch launch's controller,
+    rank 0       RLJob(config).run_async(spawn_trainer=...): the Monarch launch's controller,
                  unchanged (generator meshes are still spawned with Monarch, from this process),
-                 with TorchrunTrainerRanks behind the one TrainerClient (trainer_client.py):
-                   spawn:         send build(resolved trainer config, model_dir)
-                   call(method):  send the PolicyTrainerCore method (forward_backward, ...)
-                   push_weights:  send full_model_state_dict() (every rank gathers); rank 0
+                 with a TorchrunTrainerClient as its TrainerClient (trainer/trainer.py):
+                   spawn:         send PolicyTrainerCore(resolved trainer config, model_dir)
+                   each call:     send the PolicyTrainerCore method (forward_backward, ...)
+                   push_weights:  send full_model_state_dict (every rank gathers); rank 0
                                   pushes it with WeightPusher (weight_sync/push.py)
                    close(), and the finally of run_rank0 when the run fails: send stop
     ranks > 0    TrainerRank.follow(): receive a command, run it on this rank's
                  PolicyTrainerCore, repeat until stop; then exit 0 and print nothing
                  (also on a config error: the job's exit code is rank 0's)
 
-"send" = rank 0 broadcasts the Command (method name, args) on the command group, then runs the
-same PolicyTrainerCore method itself. The core's methods run collectives, so every rank runs them
+"send" = rank 0 broadcasts the Command (a PolicyTrainerCore method, pickled by its qualified name,
+and its args) on the command group, then runs the same method itself. The core's methods run collectives, so every rank runs them
 in the same order, exactly as the PolicyTrainer actor's endpoints do under Monarch
 (trainer/trainer.py). On rank 0 every send runs in one worker thread, so the controller's event
 loop (rollouts, the async loop) keeps going while the trainer computes.
@@ -41,17 +41,20 @@ import os
 import pathlib
 import time
 from collections.abc import Iterator
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.controller.job import RLJob
-from torchtitan_rl.controller.spawn import SpawnTrainerRanks
+from torchtitan_rl.controller.spawn import SpawnTrainer
 from torchtitan_rl.generator import GeneratorHandle
+from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
 from torchtitan_rl.trainer.core import PolicyTrainerCore, _device_type
 from torchtitan_rl.trainer.parallel import init_trainer_distributed
-from torchtitan_rl.weight_sync.push import WeightPusher, WeightTransport
+from torchtitan_rl.trainer.trainer import TrainerClient
+from torchtitan_rl.weight_sync.push import WeightPusher
 from torchtitan_rl.weight_sync.shared_memory import machine_id
 
 logger = logging.getLogger(__name__)
@@ -63,10 +66,6 @@ two commands; the gloo default of 30 minutes would end long runs)."""
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT")
-
-Method = Literal["build", "forward_backward", "optim_step", "full_model_state_dict",
-                 "save_checkpoint", "load_checkpoint", "export_hf", "stop"]
-
 
 def torchrun_rank() -> int | None:
     """This process's rank when torchrun (or another torch elastic launcher) started it, else
@@ -96,8 +95,15 @@ def check_torchrun_config(config: Any) -> None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Command:
-    method: Method
+    """What every rank runs next: ``PolicyTrainerCore`` itself (build this rank's core from
+    ``args``), one of its methods (run on this rank's core), or None (stop following)."""
+
+    method: Callable[..., Any] | None
     args: tuple[Any, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return "stop" if self.method is None else self.method.__name__
 
 
 class TrainerRank:
@@ -123,10 +129,10 @@ class TrainerRank:
     def send(self, command: Command) -> Any:
         """Rank 0: broadcast ``command`` to the followers, then run it here."""
         if self.stopped:
-            raise RuntimeError(f"trainer ranks already stopped; cannot run {command.method}")
+            raise RuntimeError(f"trainer ranks already stopped; cannot run {command.name}")
         if self.group is not None:
             dist.broadcast_object_list([command], src=0, group=self.group)
-        if command.method == "stop":
+        if command.method is None:
             self.stopped = True
             return None
         return self._execute(command)
@@ -138,7 +144,7 @@ class TrainerRank:
             received: list[Any] = [None]
             dist.broadcast_object_list(received, src=0, group=self.group)
             command: Command = received[0]
-            if command.method == "stop":
+            if command.method is None:
                 self.stopped = True
                 logger.info("trainer rank %d: stop", self.rank)
                 return
@@ -149,7 +155,7 @@ class TrainerRank:
         if self.stopped:
             return
         try:
-            self.send(Command("stop"))
+            self.send(Command(None))
         except Exception as e:  # a follower died: torchrun ends the others
             self.stopped = True
             logger.warning("could not send stop to the trainer ranks: %r", e)
@@ -159,43 +165,60 @@ class TrainerRank:
             dist.destroy_process_group()
 
     def _execute(self, command: Command) -> Any:
-        if command.method == "build":
+        assert command.method is not None
+        if command.method is PolicyTrainerCore:
             trainer_config, model_dir = command.args
             self.core = PolicyTrainerCore(trainer_config, model_dir=model_dir)
             return None
         if self.core is None:
-            raise RuntimeError(f"{command.method} before build")
-        return getattr(self.core, command.method)(*command.args)
+            raise RuntimeError(f"{command.name} before the trainer core was built")
+        return command.method(self.core, *command.args)
 
 
-class TorchrunTrainerRanks:
-    """`TrainerRanks` over the torchrun processes (rank 0 only): every call is a Command."""
+class TorchrunTrainerClient(TrainerClient):
+    """The torchrun processes as the `TrainerClient` (rank 0 only): every call is a Command,
+    sent from one worker thread so that the controller's event loop keeps going."""
 
-    def __init__(self, *, trainer: TrainerRank, executor: concurrent.futures.Executor) -> None:
+    def __init__(self, *, trainer: TrainerRank, executor: concurrent.futures.Executor,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.trainer = trainer
         self.executor = executor
-        self.dp_size = 0
-        self.machine_id = machine_id()  # rank 0 is this process
         self._pusher: WeightPusher | None = None
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def _send(self, method: Callable[..., Any], *args: Any) -> Any:
         loop = asyncio.get_running_loop()
-        command = Command(method, args)  # type: ignore[arg-type]
-        return await loop.run_in_executor(self.executor, self.trainer.send, command)
+        return await loop.run_in_executor(self.executor, self.trainer.send, Command(method, args))
 
-    async def push_weights(self, generator: GeneratorHandle, version: int, *,
-                           verify: bool, transport: WeightTransport) -> dict[str, float]:
+    async def forward_backward(self, batch: TrainingBatch) -> dict[str, float]:
+        return await self._send(PolicyTrainerCore.forward_backward, batch)
+
+    async def optim_step(self) -> dict[str, float]:
+        return await self._send(PolicyTrainerCore.optim_step)
+
+    async def push_weights(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
+        assert generator.weight_transport is not None, "the pool picks each generator's transport"
         start = time.perf_counter()
-        state_dict = await self.call("full_model_state_dict")
+        state_dict = await self._send(PolicyTrainerCore.full_model_state_dict)
         metrics = {"weight_sync/gather_s": time.perf_counter() - start}
         if self._pusher is None:
             assert self.trainer.core is not None
             self._pusher = WeightPusher(model_config=self.trainer.core.model_config)
         metrics.update(await self._pusher.push(
-            version, state_dict, generator, transport=transport, verify=verify))
+            version, state_dict, generator.actors, transport=generator.weight_transport,
+            verify=self.verify_push))
         metrics["weight_sync/total_s"] = time.perf_counter() - start
         logger.info("pushed weights v%d in %.3fs", version, metrics["weight_sync/total_s"])
         return metrics
+
+    async def save_checkpoint(self, directory: pathlib.Path) -> None:
+        await self._send(PolicyTrainerCore.save_checkpoint, str(directory), None)
+
+    async def load_checkpoint(self, directory: pathlib.Path) -> None:
+        await self._send(PolicyTrainerCore.load_checkpoint, str(directory))
+
+    async def export_hf(self, directory: pathlib.Path) -> None:
+        await self._send(PolicyTrainerCore.export_hf, str(directory), "")
 
     async def close(self) -> None:
         if not self.trainer.stopped:
@@ -204,17 +227,19 @@ class TorchrunTrainerRanks:
             self._pusher.close()
 
 
-def torchrun_trainer_ranks(trainer: TrainerRank,
-                           executor: concurrent.futures.Executor) -> SpawnTrainerRanks:
-    """build_parts' ``spawn_trainer_ranks``: every rank builds its PolicyTrainerCore from the
-    resolved trainer config and the run's model directory."""
+def torchrun_trainer(trainer: TrainerRank, executor: concurrent.futures.Executor) -> SpawnTrainer:
+    """build_parts' ``spawn_trainer``: every rank builds its PolicyTrainerCore from the resolved
+    trainer config and the run's model directory."""
 
-    async def build(trainer_config: Any, model_dir: pathlib.Path) -> TorchrunTrainerRanks:
-        ranks = TorchrunTrainerRanks(trainer=trainer, executor=executor)
-        await ranks.call("build", trainer_config, str(model_dir))
+    async def build(trainer_config: Any, model_dir: pathlib.Path, *, batcher: Batcher.Config,
+                    verify_push: bool) -> TorchrunTrainerClient:
+        loop = asyncio.get_running_loop()
+        command = Command(PolicyTrainerCore, (trainer_config, str(model_dir)))
+        await loop.run_in_executor(executor, trainer.send, command)
         assert trainer.core is not None
-        ranks.dp_size = trainer.core.dp_size
-        return ranks
+        return TorchrunTrainerClient(trainer=trainer, executor=executor,
+                                     dp_size=trainer.core.dp_size, machine_id=machine_id(),
+                                     batcher=batcher, verify_push=verify_push)
 
     return build
 
@@ -225,11 +250,11 @@ def run_rank0(config: Any) -> dict[str, Any]:
     check_torchrun_config(config)
     trainer = TrainerRank.join(config.trainer.device)
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer_rank0")
-    ranks = torchrun_trainer_ranks(trainer, executor)
+    spawn_trainer = torchrun_trainer(trainer, executor)
     try:
         with _without_launcher_env():
             job = RLJob(config)
-            return asyncio.run(job.run_async(spawn_trainer_ranks=ranks))
+            return asyncio.run(job.run_async(spawn_trainer=spawn_trainer))
     finally:
         executor.shutdown(wait=True)
         trainer.stop()

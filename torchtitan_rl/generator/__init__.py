@@ -7,8 +7,8 @@ Public API:
     start_engine_loop(config, *, on_step=None, wrap_engine=None) -> EngineLoop   (in-process)
     EngineLoop, StepStats, LoopInbox, LoopAction, LoopDecision
 
-A GeneratorHandle (and a bound ``EngineLoop.generate``) is a ``GenerateFn``; the handle is also a
-weight_sync ``PullTarget``. How pulled weights reach vLLM: torchtitan_rl/weight_sync/pull.py.
+A GeneratorHandle (and a bound ``EngineLoop.generate``) is a ``GenerateFn``; weights are pushed to
+its actor mesh (``handle.actors``). How pulled weights reach vLLM: torchtitan_rl/weight_sync/pull.py.
 """
 
 from torchtitan_rl.generator.config import WeightSyncPolicy

@@ -3,12 +3,12 @@ controller and the tests share.
 
     handle = await spawn_generator(config)       # procs, torch elastic env, actors, start()
     completion = await handle(GenerateRequest(prompt_token_ids=ids, request_id=...))   # rank 0
-    await WeightPusher(...).push(policy_version, state_dict, handle)   # every rank pulls
+    await WeightPusher(...).push(policy_version, state_dict, handle.actors)  # every rank pulls
     await handle.abort(ids)                      # rank 0
     await handle.close()                         # every rank, then the procs stop
 
-`GeneratorHandle` is a `GenerateFn` (rollout code and the router call it directly) and a
-weight_sync `PullTarget` (``pull_model_state_dict`` and ``read_hf_weights`` on every rank).
+`GeneratorHandle` is a `GenerateFn` (rollout code and the router call it directly); weight pushes
+go to its actor mesh (``handle.actors``, weight_sync/push.py).
 generate() requests leave together at the end of the event-loop turn (one ``submit`` message;
 outcomes come back on one reply port, batched the same way); every other method sends its message
 when called, after any generate() not yet sent, and returns an awaitable: calls made one after
@@ -29,12 +29,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from monarch.actor import Channel, Future, HostMesh, Port, PortReceiver, ProcMesh, this_host
 
 from torchtitan_rl.generator.generator import GenerateOutcome, Generator
 from torchtitan_rl.types import Completion, GenerateRequest
-from torchtitan_rl.weight_sync.push import WeightTransport, pull_once_per_host
+from torchtitan_rl.weight_sync.push import WeightTransport
 
 logger = logging.getLogger(__name__)
 
@@ -167,25 +166,6 @@ class GeneratorHandle:
     def _stop_receiving(self) -> None:
         if self._receiving is not None:
             self._receiving.cancel()
-
-    async def pull_model_state_dict(
-        self, policy_version: int, state_dict: dict[str, Any], streamed: bool = False
-    ) -> list[dict[str, float]]:
-        """Every rank reads the full state dict (vLLM's loaders shard it for TP; tensors cross
-        to the host once, see ``pull_once_per_host``); returns once every rank has pulled it,
-        with each rank's ``convert_s`` / ``load_s``, by rank. ``streamed``: see `PullTarget`."""
-        self._send_unsent()
-        values = await pull_once_per_host(self.actors, policy_version, state_dict, streamed)
-        return [value for _, value in sorted(values.items(), key=lambda kv: kv[0].rank)]
-
-    def weights_staged(self, policy_version: int, num_bytes: int) -> None:
-        """A streamed push's progress to every rank (no reply)."""
-        self._send_unsent()
-        self.actors.weights_staged.broadcast(policy_version, num_bytes)
-
-    async def read_hf_weights(self) -> list[dict[str, torch.Tensor]]:
-        """Every rank's weights by HF name, as its engine computes with them (TP 1 only)."""
-        return [weights for _, weights in (await self.actors.read_hf_weights.call()).items()]
 
     def abort(self, request_ids: list[str] | None = None) -> Future[int]:
         """Abort requests (None: all in flight); resolves once they have resolved."""

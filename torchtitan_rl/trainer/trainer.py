@@ -1,14 +1,21 @@
-"""PolicyTrainer: the trainer mesh's Monarch actor, one per trainer rank, around PolicyTrainerCore.
+"""The trainer mesh: `PolicyTrainer`, its Monarch actor (one per rank, around PolicyTrainerCore),
+and `TrainerClient`, the controller's one view of the trainer however its ranks were launched.
 
-    controller -forward_backward(batch)-> every rank: FSDP/TP fwd+bwd (gloo/NCCL) -metrics-> controller
-    controller -optim_step()-> every rank: clip, AdamW, policy_version += 1 -metrics-> controller
-    controller -push_weights(generators, policy_version, verify)-> every rank: all-gather full
-        tensors; rank 0: WeightPusher.push (weight_sync/push.py) -pull_model_state_dict(
+    loop -train_step(samples, step)-> TrainerClient: batcher.pack(samples) -> TrainingBatch
+      -forward_backward(batch)-> every rank: FSDP/TP fwd+bwd (gloo/NCCL) -metrics-> controller
+      -optim_step()-> every rank: clip, AdamW, policy_version += 1 -metrics-> controller
+    generator pool -push_weights(generator, version)-> TrainerClient -> every rank: all-gather
+        full tensors; rank 0: WeightPusher.push (weight_sync/push.py) -pull_model_state_dict(
         policy_version, torchtitan-named tensors: in the message, or shared-memory references
         that unpickle as tensors)-> every generator rank;
         verify: rank 0 -read_hf_weights()-> generators, compares bitwise, raises on a difference
-    controller -save_checkpoint(path, extra) / load_checkpoint(path) / export_hf(path)-> every rank
-    controller -compute_logprobs(batch)-> every rank -> [mb, dp, rows, seq_len] logprobs
+    checkpointer / job -save_checkpoint / load_checkpoint / export_hf-> every rank
+    tests -compute_logprobs(batch)-> every rank -> [mb, dp, rows, seq_len] logprobs
+
+Two launches implement TrainerClient: `MonarchTrainerClient` (this actor mesh; each call goes to
+every rank and returns rank 0's value) and `TorchrunTrainerClient` (rank 0 broadcasts each call
+to the torchrun processes, controller/torchrun.py). Both run the same PolicyTrainerCore methods in
+the same order on every rank.
 
 Endpoints are concurrent (async) but run their compute inline, without awaiting: one message at
 a time, in call order, since the controller awaits each call before the next. The exception is
@@ -18,19 +25,18 @@ gives up on it (the generator is replaced) and the trainer serves the next calls
 Invariants: every endpoint is called on the whole mesh (``.call``), since each runs collectives;
 every rank returns the same metrics (reduced over data-parallel ranks). The controller sends the
 same TrainingBatch to every rank; a rank runs its own [microbatch][dp_rank] column.
-
-Spawn with ``await spawn_policy_trainer(procs, config, model_dir=...)`` (sets the torch elastic env on
-the procs first); drive it with the controller's TrainerClient (controller/trainer_client.py).
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import dataclasses
 import logging
 import os
+import pathlib
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from monarch.actor import Actor, concurrent_endpoint
@@ -38,10 +44,14 @@ from monarch.actor import Actor, concurrent_endpoint
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.console import configure_process_logging
 from torchtitan_rl.faults import maybe_kill
-from torchtitan_rl.trainer.batcher import TrainingBatch
+from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
 from torchtitan_rl.trainer.core import PolicyTrainerCore
-from torchtitan_rl.weight_sync.push import ActorMeshTarget, WeightPusher, WeightTransport
+from torchtitan_rl.types import TrainingSample
+from torchtitan_rl.weight_sync.push import WeightPusher, WeightTransport
 from torchtitan_rl.weight_sync.shared_memory import machine_id
+
+if TYPE_CHECKING:  # the trainer never imports the generator; the controller hands it over
+    from torchtitan_rl.generator import GeneratorHandle
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +134,7 @@ class PolicyTrainer(Actor, Configurable):
         # Bounded: a generator that dies mid-push may never answer (monarch#3435); the
         # controller replaces it and pushes again.
         metrics.update(await asyncio.wait_for(self.pusher.push(
-            policy_version, state_dict, ActorMeshTarget(generators),
+            policy_version, state_dict, generators,
             transport=transport or _fixed_transport(self.weight_transport), verify=verify,
         ), PUSH_TIMEOUT_S))
         metrics["weight_sync/total_s"] = time.perf_counter() - start
@@ -178,3 +188,102 @@ async def spawn_policy_trainer(
     await setup_torch_elastic_env_async(procs)
     model_dir_arg = str(model_dir) if model_dir is not None else None
     return procs.spawn(name, PolicyTrainer, config, model_dir=model_dir_arg)
+
+
+# ---- the controller's side ----------------------------------------------------------------------
+class TrainerClient(abc.ABC):
+    """Every trainer rank, reached from the controller."""
+
+    def __init__(self, *, dp_size: int, machine_id: str, batcher: Batcher.Config,
+                 verify_push: bool) -> None:
+        self.dp_size = dp_size
+        """Data-parallel size (the batcher's ``dp_size``)."""
+        self.machine_id = machine_id
+        """Rank 0's machine (hostname/boot id): generators there can take pushes by shared memory."""
+        self.batcher = batcher.build(dp_size=dp_size)
+        self.verify_push = verify_push
+        """Read every push back from the generator and compare it bit for bit."""
+
+    async def train_step(self, samples: list[TrainingSample], step: int) -> dict[str, float]:
+        """One optimizer step on ``samples``: packed into rows, forward/backward, AdamW."""
+        if not samples:
+            # Every group of the step was dropped (zero reward spread): an optimizer step on no
+            # tokens would still move AdamW state, so the step keeps the weights instead.
+            logger.warning("step %d: no training samples (all groups dropped); weights unchanged",
+                           step)
+            return {"trainer/skipped_empty_step": 1.0}
+        batch = self.batcher.pack(samples)
+        metrics = dict(await self.forward_backward(batch))
+        metrics.update(await self.optim_step())
+        metrics.update({k: float(v) for k, v in batch.metrics.items()})
+        return metrics
+
+    @abc.abstractmethod
+    async def forward_backward(self, batch: TrainingBatch) -> dict[str, float]:
+        """Every rank runs its column of ``batch``; gradients accumulate."""
+
+    @abc.abstractmethod
+    async def optim_step(self) -> dict[str, float]:
+        """Every rank clips, steps AdamW and advances its policy version."""
+
+    @abc.abstractmethod
+    async def push_weights(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
+        """The trainer's weights into every rank of ``generator`` as policy ``version``, over the
+        generator's ``weight_transport`` (read back and compared bit for bit when
+        ``verify_push``): every rank gathers, rank 0 pushes."""
+
+    @abc.abstractmethod
+    async def save_checkpoint(self, directory: pathlib.Path) -> None: ...
+
+    @abc.abstractmethod
+    async def load_checkpoint(self, directory: pathlib.Path) -> None: ...
+
+    @abc.abstractmethod
+    async def export_hf(self, directory: pathlib.Path) -> None:
+        """The current weights as an HF model directory (config, safetensors, tokenizer)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+class MonarchTrainerClient(TrainerClient):
+    """A PolicyTrainer actor mesh (one actor per trainer proc); each call goes to every rank and
+    returns rank 0's value."""
+
+    def __init__(self, *, procs: Any, actors: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.procs = procs
+        self.actors = actors
+
+    @classmethod
+    async def spawn(cls, procs: Any, config: Any, *, model_dir: pathlib.Path,
+                    batcher: Batcher.Config, verify_push: bool) -> MonarchTrainerClient:
+        actors = await spawn_policy_trainer(procs, config, model_dir=model_dir)
+        dp_size = int(rank0_value(await actors.get_dp_size.call()))
+        machine = str(rank0_value(await actors.get_machine_id.call()))
+        return cls(procs=procs, actors=actors, dp_size=dp_size, machine_id=machine,
+                   batcher=batcher, verify_push=verify_push)
+
+    async def forward_backward(self, batch: TrainingBatch) -> dict[str, float]:
+        return rank0_value(await self.actors.forward_backward.call(batch))
+
+    async def optim_step(self) -> dict[str, float]:
+        return rank0_value(await self.actors.optim_step.call())
+
+    async def push_weights(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
+        assert generator.weight_transport is not None, "the pool picks each generator's transport"
+        return rank0_value(await self.actors.push_weights.call(
+            generator.actors, version, self.verify_push, generator.weight_transport))
+
+    async def save_checkpoint(self, directory: pathlib.Path) -> None:
+        await self.actors.save_checkpoint.call(str(directory), None)
+
+    async def load_checkpoint(self, directory: pathlib.Path) -> None:
+        await self.actors.load_checkpoint.call(str(directory))
+
+    async def export_hf(self, directory: pathlib.Path) -> None:
+        await self.actors.export_hf.call(str(directory), "")
+
+    async def close(self) -> None:
+        await self.procs.stop()
+

@@ -1,15 +1,15 @@
 """Weight sync: the trainer pushes its weights, every generator rank pulls them into vLLM.
 
     trainer ranks: full_model_state_dict()  (gather)
-    rank 0: WeightPusher.push(policy_version, state_dict, target)                        push.py
+    rank 0: WeightPusher.push(policy_version, state_dict, generators)                    push.py
         "message": tensors in the call | "shared_memory": references to one segment  shared_memory.py
-        -> target.pull_model_state_dict(policy_version, state_dict)  (every generator rank)
-        shared memory is streamed: the call first, then target.weights_staged(version, bytes)
+        -> generators.pull_model_state_dict(policy_version, state_dict)  (every generator rank)
+        shared memory is streamed: the call first, then generators.weights_staged(version, bytes)
         as the copy goes; a rank copies each tensor once its bytes are staged (StagedWeights)
     generator rank: WeightPuller.prepare (HF names, checks) -> engine loop, between steps:
         WeightPuller.apply ("reload": vLLM reload_weights | "in_place": copy_)           pull.py
         -> the engine labels later tokens with policy_version
-    verify: target.read_hf_weights() -> weight_mismatches on rank 0 (bitwise)
+    verify: generators.read_hf_weights() -> weight_mismatches on rank 0 (bitwise)
 
 No files: the weights travel in memory. This package imports neither the trainer nor the
 generator; both import it.
@@ -26,12 +26,11 @@ from torchtitan_rl.weight_sync.pull import (
 )
 from torchtitan_rl.weight_sync.push import (
     WEIGHT_TRANSPORTS,
-    ActorMeshTarget,
-    PullTarget,
     PullTimings,
     WeightPusher,
     WeightTransport,
     num_bytes,
+    pull_on_every_rank,
 )
 from torchtitan_rl.weight_sync.shared_memory import (
     SharedMemoryStager,
@@ -42,8 +41,6 @@ from torchtitan_rl.weight_sync.shared_memory import (
 __all__ = [
     "WEIGHT_LOADS",
     "WEIGHT_TRANSPORTS",
-    "ActorMeshTarget",
-    "PullTarget",
     "PullTimings",
     "SharedMemoryStager",
     "SharedTensorRef",
@@ -52,6 +49,7 @@ __all__ = [
     "WeightPusher",
     "WeightTransport",
     "num_bytes",
+    "pull_on_every_rank",
     "machine_id",
     "read_hf_weights",
     "read_vllm_hf_weights",
