@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.generator import GeneratorLostError
 from torchtitan_rl.rollout.metrics import per_turn_reward_parts
 from torchtitan_rl.rollout.rollouter import Rollouter
@@ -47,7 +48,8 @@ class Validator(Configurable):
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(Configurable.Config):
         num_prompts: int = 64
-        """Validation episodes per pass; 0 disables validation."""
+        """Validation episodes per pass (the first of the task's validation split); 0 disables
+        validation. More than the split holds is an error naming both numbers."""
         samples_per_prompt: int = 1
         """Rollouts per episode (more than 1 only makes sense with temperature > 0)."""
         temperature: float = 0.0
@@ -63,6 +65,11 @@ class Validator(Configurable):
                 raise ValueError(f"samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
 
     def __init__(self, config: Config, *, rollouter: Rollouter, dataset: Sequence[Any]) -> None:
+        if config.num_prompts > len(dataset):
+            raise ConfigError(
+                f"validation.num_prompts={config.num_prompts}: the task's validation split has "
+                f"only {len(dataset)} episodes (ask for at most {len(dataset)}, or make the split "
+                f"larger in [task])")
         self.config = config
         self.rollouter = rollouter
         self.dataset = dataset
@@ -76,7 +83,7 @@ class Validator(Configurable):
 
     async def run(self, generate_fn: GenerateFn, sampling: Sampling) -> ValidationResult:
         cfg = self.config
-        num = min(cfg.num_prompts, len(self.dataset))
+        num = cfg.num_prompts
         sampling = dataclasses.replace(sampling, temperature=cfg.temperature)
 
         async def run_group(i: int) -> RolloutGroup:
