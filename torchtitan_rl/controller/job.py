@@ -55,6 +55,7 @@ from torchtitan_rl.generator.launch import is_supervision_error
 from torchtitan_rl.metrics.logger import MetricsLogger
 from torchtitan_rl.rollout.recorder import RolloutRecorder
 from torchtitan_rl.rollout.rollouter import Rollouter
+from torchtitan_rl.rollout.token_env import chat_template_kwargs
 from torchtitan_rl.task import SupervisedTask, TaskConfig
 from torchtitan_rl.trainer.batcher import Batcher
 from torchtitan_rl.trainer.trainer import PolicyTrainer
@@ -156,7 +157,7 @@ class RLJob(Configurable):
         if c.generator.model_dir is not None:
             raise ConfigError("generator.model_dir: set the model once, with model.path")
         base = c.model.build().resolve()
-        fingerprint = _warm_start_fingerprint(c.task)
+        fingerprint = _warm_start_fingerprint(c.task, c.rollouter.enable_thinking)
         model_dir = base
         if c.warm_start.enabled:
             model_dir = c.warm_start.build().output_dir(base, fingerprint, c.seed)
@@ -280,11 +281,15 @@ def _dump_tasks_on_sigusr1() -> None:
         signal.SIGUSR1, lambda: logger.warning("where the run waits:\n%s", task_stacks()))
 
 
-def _warm_start_fingerprint(task: TaskConfig) -> str:
-    """The task settings the warm start's training conversations depend on."""
+def _warm_start_fingerprint(task: TaskConfig, enable_thinking: bool | None = None) -> str:
+    """The task settings the warm start's training conversations depend on, and the chat
+    template's thinking mode they are rendered in (`rollouter.enable_thinking`; absent when None,
+    so warm starts cached before the setting existed keep their key)."""
     data = to_data(task)
     for key in type(task).warm_start_independent_fields:
         data.pop(key, None)
+    if enable_thinking is not None:
+        data = {"task": data, "rollouter.enable_thinking": enable_thinking}
     return json.dumps(data, sort_keys=True)
 
 
@@ -298,7 +303,7 @@ def _make_model(plan: ResolvedJob) -> None:
     plan.warm_start.build().run(
         base_model_dir=pathlib.Path(plan.base_model_dir), out=pathlib.Path(plan.model_dir),
         solved_conversation=lambda i: task.solved_conversation(train[i % len(train)]),
-        seed=plan.seed,
+        seed=plan.seed, chat_template_kwargs=chat_template_kwargs(plan.rollouter.enable_thinking),
     )
 
 

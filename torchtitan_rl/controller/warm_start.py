@@ -20,7 +20,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torchtitan_rl.assets.permissions import is_private, share_like_umask
@@ -97,20 +97,24 @@ class WarmStart(Configurable):
         out: pathlib.Path,
         solved_conversation: Callable[[int], Conversation],
         seed: int,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> pathlib.Path:
-        """Train the warm start into ``out`` (`output_dir`) unless it is cached there."""
+        """Train the warm start into ``out`` (`output_dir`) unless it is cached there.
+        ``chat_template_kwargs``: what the run's rollouts render with
+        (`token_env.chat_template_kwargs`), so the warm start learns the replies in the same
+        frame; the task fingerprint in ``out``'s cache key includes it."""
         if (out / "config.json").is_file():
             logger.info("warm start: reusing %s", out)
             if any(is_private(p) for p in (out, *out.glob("*.safetensors"))):
                 share_like_umask(out)  # cached before the umask's modes were set (0700 / 0600)
             return out
         conversations = [solved_conversation(i) for i in range(self.config.num_conversations)]
-        self._train(base_model_dir, conversations, out, seed)
+        self._train(base_model_dir, conversations, out, seed, chat_template_kwargs or {})
         return out
 
     def _train(
         self, base_model_dir: pathlib.Path, conversations: Sequence[Conversation],
-        out: pathlib.Path, seed: int,
+        out: pathlib.Path, seed: int, chat_template_kwargs: Mapping[str, Any],
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -119,7 +123,8 @@ class WarmStart(Configurable):
         tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
         model = AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32)
         model.train()
-        examples = [_tokenize_with_assistant_mask(tokenizer, c) for c in conversations]
+        examples = [_tokenize_with_assistant_mask(tokenizer, c, chat_template_kwargs)
+                    for c in conversations]
         cfg = self.config
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2),
                                       weight_decay=0.0)
@@ -189,16 +194,18 @@ class WarmStart(Configurable):
         return loss.item()
 
 
-def _tokenize_with_assistant_mask(tokenizer: Any, conversation: Conversation) -> Example:
+def _tokenize_with_assistant_mask(tokenizer: Any, conversation: Conversation,
+                                  chat_template_kwargs: Mapping[str, Any] | None = None) -> Example:
     """Token ids of the rendered conversation and a mask that is 1 on assistant replies
     (their text and end-of-turn token), computed by rendering growing prefixes."""
+    kwargs = dict(chat_template_kwargs or {})
     ids: list[int] = []
     mask: list[int] = []
     for i, message in enumerate(conversation):
         if message["role"] == "assistant":
             prefix = tokenizer.apply_chat_template(conversation[:i], add_generation_prompt=True,
-                                                   tokenize=False)
-            full = tokenizer.apply_chat_template(conversation[: i + 1], tokenize=False)
+                                                   tokenize=False, **kwargs)
+            full = tokenizer.apply_chat_template(conversation[: i + 1], tokenize=False, **kwargs)
             prompt_ids = tokenizer.encode(prefix, add_special_tokens=False)
             full_ids = tokenizer.encode(full, add_special_tokens=False)
             if full_ids[: len(prompt_ids)] != prompt_ids or prompt_ids[: len(ids)] != ids:

@@ -29,7 +29,7 @@ from typing import Any, Literal
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.rollout.advantage import AdvantageStd, group_advantages
 from torchtitan_rl.rollout.message_env import MessageEnv
-from torchtitan_rl.rollout.token_env import TokenEnv
+from torchtitan_rl.rollout.token_env import TokenEnv, chat_template_kwargs
 from torchtitan_rl.rollout.types import (
     Rollout,
     RolloutGroup,
@@ -73,6 +73,13 @@ class Rollouter(Configurable):
         TRUNCATED_LENGTH without a generate call. Keep it <= the generator's max_model_len."""
         step_timeout_s: float | None = 60.0
         """Wall-clock limit for one env call (init, step, close), in seconds; None disables."""
+        enable_thinking: bool | None = None
+        """The chat template's `enable_thinking` variable, passed to every render of a run:
+        rollouts, validation, eval, HTTP rollouts and the warm start's conversations. None: not
+        passed, the template's own default (Qwen3's is thinking on: the model may open a
+        `<think>` block). False: Qwen3's template ends the generation prompt with an empty
+        think block, so replies start with the answer. Templates that do not read the
+        variable (the project's own ChatML) render the same either way."""
         advantage_std: AdvantageStd = "sample"
         """How a group's advantages r_i - mean(r) are scaled. "sample": divided by the group
         reward std with Bessel's correction (n - 1), + 1e-6: GRPO as verl and TRL compute it.
@@ -184,7 +191,8 @@ class Rollouter(Configurable):
             return rollout
         env = TokenEnv(message_env, self._tokenizer, max_turns=self.config.max_turns,
                        max_rollout_tokens=self.config.max_rollout_tokens,
-                       step_timeout_s=self.config.step_timeout_s)
+                       step_timeout_s=self.config.step_timeout_s,
+                       chat_template_kwargs=chat_template_kwargs(self.config.enable_thinking))
         try:
             await self._drive(env, generate_fn, rollout, sampling, attempt)
         finally:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from torchtitan_rl.rollout.message_env import EnvStep, Message, MessageEnv
@@ -23,6 +24,14 @@ from torchtitan_rl.rollout.types import RolloutStatus
 from torchtitan_rl.types import Completion
 
 logger = logging.getLogger(__name__)
+
+
+def chat_template_kwargs(enable_thinking: bool | None) -> dict[str, Any]:
+    """The extra variables every ``apply_chat_template`` call of a run passes (rollouts, validation,
+    eval, HTTP rollouts and the warm start alike), from `Rollouter.Config.enable_thinking`: {} when
+    None (the template's own default), else ``{"enable_thinking": ...}``. Templates that do not
+    read the variable render the same either way."""
+    return {} if enable_thinking is None else {"enable_thinking": enable_thinking}
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -51,6 +60,7 @@ class TokenEnv:
         max_turns: int,
         max_rollout_tokens: int,
         step_timeout_s: float | None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -58,6 +68,7 @@ class TokenEnv:
             raise ValueError(f"max_rollout_tokens must be >= 2, got {max_rollout_tokens}")
         self._env = message_env
         self._tokenizer = tokenizer
+        self._chat_template_kwargs = dict(chat_template_kwargs or {})
         self._max_turns = max_turns
         self._max_rollout_tokens = max_rollout_tokens
         self._step_timeout_s = step_timeout_s
@@ -162,7 +173,8 @@ class TokenEnv:
 
     def _render(self, messages: list[Message], *, add_generation_prompt: bool) -> str:
         return self._tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **self._chat_template_kwargs,
         )
 
     def _encode(self, text: str) -> list[int]:
