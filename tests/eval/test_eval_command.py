@@ -69,7 +69,12 @@ def test_eval_of_the_exported_model_agrees_with_the_jobs_final_validation(job, t
     assert lines[-1].startswith(f"reward_mean={summary['reward_after']:.4f} ")
     assert "pass@4=" in lines[-1]
     assert proc.stderr.startswith("evaluating ") and len(proc.stderr.splitlines()) == 1
-    assert "evaluated" in (run_dir / "logs" / "eval.log").read_text()
+    # the eval's own folder, beside the trained run's (<output_dir>/<the config's name>-eval);
+    # the run's folder is only read
+    eval_log = run_dir.parent / "letters-eval" / "logs" / "eval.log"
+    assert f"log: {eval_log.resolve()})" in proc.stderr
+    assert "evaluated" in eval_log.read_text()
+    assert not (run_dir / "logs" / "eval.log").exists()
 
 
 def test_eval_reports_per_turn_rewards_of_a_multi_turn_task(tmp_path, tiny_model_dir):
