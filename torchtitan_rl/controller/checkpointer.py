@@ -9,14 +9,16 @@
           checkpointer.forget_steps_from(k): step logs of the killed run past k are dropped
           checkpointer.restore(trainer, directory) -> state
     loop: checkpointer.due(step) -> checkpointer.save(trainer, state): trainer DCP, fsync,
-          controller.json (fsynced, atomic: the commit marker), then older ones past keep_last go
+          job_config.json, controller.json (fsynced, atomic: the commit marker), then older ones
+          past keep_last go
 
 A run folder is never silently wiped: ``resume = "auto"`` continues from its newest complete
 checkpoint, and starting over an earlier run's outputs needs ``overwrite`` (they are moved aside,
 not deleted). A resume whose config differs from the checkpoint's in a key that changes training
 (any key not in `RESUME_MAY_CHANGE`) is refused in one line naming the keys, old and new values,
-unless ``allow_config_change``. A checkpoint without controller.json (the process died while writing it), or whose
-files do not read back, is skipped with one logged line: the previous complete one is used.
+unless ``allow_config_change``. A checkpoint without controller.json (the process died while
+writing it), or whose files do not read back, is skipped with one logged line: the previous
+complete one is used.
 Finished-but-untrained groups are stored as their training samples, so resume trains them
 without regenerating; groups still in flight are restarted from their prompts (the same group id
 gives the same prompt and the same request seeds).
