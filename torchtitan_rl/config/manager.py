@@ -114,7 +114,31 @@ def config_from_toml_text(root_cls: type[ConfigT], text: str, base: ConfigT | No
 
 
 def config_to_toml(config: Any) -> str:
-    return tomli_w.dumps(to_data(config))
+    """``config`` as TOML, with the comments its class lists in ``toml_comments`` (a dotted
+    table or key -> one line of text) above the table header or key they are about."""
+    return annotate_toml(tomli_w.dumps(to_data(config)),
+                         getattr(type(config), "toml_comments", None) or {})
+
+
+def annotate_toml(text: str, comments: dict[str, str]) -> str:
+    """``text`` (tomli_w's output) with ``# comment`` lines above the tables (``[a.b]``,
+    ``[[a]]``: every entry of the list) or keys that ``comments`` names by dotted path."""
+    if not comments:
+        return text
+    out: list[str] = []
+    table = ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("["):
+            table = stripped.strip("[]").strip()
+            path = table
+        else:
+            key = stripped.split("=", 1)[0].strip() if "=" in stripped else None
+            path = f"{table}.{key}" if table and key else key
+        if path is not None and path in comments:
+            out += [f"# {part}" for part in comments[path].splitlines()]
+        out.append(line)
+    return "\n".join(out) + "\n"
 
 
 def apply_overrides(config: ConfigT, overrides: dict[str, Any]) -> ConfigT:

@@ -90,6 +90,8 @@ class RLJob(Configurable):
     class Config(Configurable.Config):
         moved_keys = {"async_loop": "moved into [loop]: loop.staleness.max_staleness, "
                                     "loop.off_policy_correction, loop.tis_cap"}
+        toml_comments = {"generator.sampling": "Unused in a job: every request carries "
+                                               "[sampling] (a job refuses other values here)."}
 
         name: str = "run"
         """Run name; the run folder is `<output_dir>/<name>`. One folder name: no '/', '\\', '.',

@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+from typing import ClassVar
 
+from torchtitan_rl.config.engine_limits import check_engine_values
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.controller.checkpointer import Checkpointer
 from torchtitan_rl.controller.loop import TrainingLoop
@@ -34,6 +36,18 @@ from torchtitan_rl.types import Sampling
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ResolvedJob:
+    toml_comments: ClassVar[dict[str, str]] = {
+        "sampling": "What every request of the job samples with (the rollouts'; validation's "
+                    "with\nvalidation.temperature). Each request's seed derives from this seed; "
+                    "its max_tokens is clipped\nto the room left in "
+                    "rollouter.max_rollout_tokens.",
+        "generators.sampling": "Unused: every request of the job carries [sampling] above. "
+                               "The generator's default for requests\nwithout one (a job "
+                               "refuses any other value: set sampling.* instead).",
+    }
+    """``--print-resolved`` prints these above the tables (config_to_toml): which sampling
+    applies."""
+
     run_dir: str
     seed: int
     base_model_dir: str
@@ -135,3 +149,4 @@ class ResolvedJob:
             )
         self.placement.check(num_generators=len(self.generators),
                              num_trainer_ranks=self.num_trainer_ranks)
+        check_engine_values(self)  # what vLLM would refuse only once the generators start
