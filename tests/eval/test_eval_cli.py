@@ -128,6 +128,11 @@ def test_the_eval_folder_is_its_own(tmp_path):
     with pytest.raises(ConfigError, match="holds the model being evaluated"):
         check_eval_folder(tmp_path, run_dir / "hf")
     check_eval_folder(tmp_path / "alphabet-eval", run_dir / "hf")
+    started = tmp_path / "started"  # a run killed before its first checkpoint: still a run's
+    (started / "logs").mkdir(parents=True)
+    (started / "logs" / "train.log").write_text("")
+    with pytest.raises(ConfigError, match=r"is a training run's folder \(it holds logs/train.log"):
+        check_eval_folder(started, run_dir / "hf")
 
 
 def test_every_eval_key_is_a_job_key():

@@ -41,7 +41,8 @@ DESCRIPTION = ("Evaluate a model on the config's held-out validation episodes (v
                "are the ones eval uses; a job's other options are refused.")
 EVAL_SUFFIX = "-eval"
 """The default eval folder is the config's run folder name plus this."""
-TRAINING_OUTPUTS = ("checkpoints", "summary.json", "metrics.jsonl", "trained_samples.jsonl")
+TRAINING_OUTPUTS = ("checkpoints", "summary.json", "metrics.jsonl", "trained_samples.jsonl",
+                    "logs/train.log")
 """What only a training run writes: a folder holding one is a run folder, never an eval's."""
 
 EVAL_OPTIONS: list[tuple[str, str]] = [
