@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # The test suite: set up .venv (first time only), then run pytest. Extra arguments go to pytest.
+#   --fast  only the tests not marked slow: no vLLM engine, Monarch proc or training run
+#           (a few minutes on 2 cores; docs/testing.md). CI runs the whole suite.
 # pytest exits 5 when it collected no test: that is a failure here, never a silent pass.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/setup_env.sh || exit 1
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
-.venv/bin/python -m pytest "$@"
+args=()
+for arg in "$@"; do
+    if [ "$arg" = "--fast" ]; then args+=(-m "not slow"); else args+=("$arg"); fi
+done
+.venv/bin/python -m pytest "${args[@]}"
 status=$?
 if [ "$status" -eq 5 ]; then
     echo "[test] pytest collected no tests: failing" >&2

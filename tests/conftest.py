@@ -1,9 +1,18 @@
-"""Shared test set-up: the offline models live under the repo's assets/ (made once, reused)."""
+"""Shared test set-up: the offline models live under the repo's assets/ (made once, reused); the
+fast tier's guard (a test not marked ``slow`` that starts the real stack fails, naming the fix)."""
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import os
 import pathlib
+import shlex
+import subprocess
+import sys
+import types
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, NoReturn
 
 import pytest
 
@@ -28,3 +37,124 @@ def tiny_model_dir() -> pathlib.Path:
     from torchtitan_rl.assets.make_model import ensure_model
 
     return ensure_model("tiny", REPO_ROOT / "assets" / "models")
+
+
+# ---- the fast tier's guard ----
+# `scripts/test.sh --fast` runs `-m "not slow"`. A test that starts the real stack without the mark
+# would make that tier slow (or hang it) unnoticed, so for every item not marked slow, setup, call
+# and teardown included (a module- or session-scoped fixture is built in the first item that uses
+# it), these entry points fail instead. The failure is pytest.fail's, a BaseException: code under
+# test that catches Exception (a run's error report) cannot turn it into a pass.
+
+# (module, attribute path in it, what calling it starts). Patched only once the module is imported:
+# importing vLLM's engine module alone takes ~10 s, which a fast test must not pay for the guard.
+PROCESS_STARTS: list[tuple[str, str, str]] = [
+    ("vllm.v1.engine.llm_engine", "LLMEngine.from_engine_args", "a vLLM engine"),
+    ("vllm.v1.engine.llm_engine", "LLMEngine.__init__", "a vLLM engine"),
+    ("torchtitan_rl.generator.vllm_engine", "build_engine", "a vLLM engine"),
+    ("monarch.actor", "HostMesh.spawn_procs", "Monarch procs"),
+    ("monarch.actor", "ProcMesh.spawn", "a Monarch actor"),
+    ("torch.multiprocessing", "start_processes", "torch.multiprocessing ranks"),
+    ("torch.multiprocessing", "spawn", "torch.multiprocessing ranks"),
+]
+# `python -m X` subprocesses that run a job, a worker, torchrun ranks or a vLLM server (even one
+# that only prints its config: it pays the job's imports, seconds each).
+STACK_MODULES = ("torchtitan_rl.train", "torchtitan_rl.eval", "torchtitan_rl.worker",
+                 "tests.controller.run_tiny_job", "torch.distributed.run", "vllm")
+STACK_COMMANDS = ("torchrun", "vllm")
+
+
+def _refuse(what: str) -> NoReturn:
+    pytest.fail(f"this test starts {what}, but it is not marked slow: mark this test slow "
+                "(@pytest.mark.slow, or pytestmark = pytest.mark.slow for the whole module). "
+                "`scripts/test.sh --fast` runs only tests that start no vLLM engine, Monarch "
+                "proc or actor, and no training or job process (docs/testing.md).")
+
+
+def _refusing(what: str) -> Callable[..., NoReturn]:
+    def refuse(*args: Any, **kwargs: Any) -> NoReturn:
+        _refuse(what)
+
+    return refuse
+
+
+def _patch_process_starts(module: types.ModuleType, mp: pytest.MonkeyPatch) -> None:
+    for name, path, what in PROCESS_STARTS:
+        if name == module.__name__:
+            *owner_path, attribute = path.split(".")
+            owner: Any = module
+            for part in owner_path:
+                owner = getattr(owner, part)
+            mp.setattr(owner, attribute, _refusing(what))
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches a module of PROCESS_STARTS right after a fast test first imports it."""
+
+    def __init__(self, mp: pytest.MonkeyPatch) -> None:
+        self.mp = mp
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in {name for name, _, _ in PROCESS_STARTS}:
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader: Any = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_then_patch(module: types.ModuleType) -> None:
+            exec_module(module)
+            _patch_process_starts(module, self.mp)
+
+        loader.exec_module = exec_then_patch  # a loader per module spec: no other module sees it
+        return spec
+
+
+def _stack_command(args: Any) -> str | None:
+    """The module or command of a Popen ``args`` that would start the real stack, else None."""
+    if isinstance(args, (str, bytes, os.PathLike)):
+        argv = shlex.split(os.fsdecode(args))
+    else:
+        argv = [os.fsdecode(arg) for arg in args]
+    for flag, module in zip(argv, argv[1:]):
+        if flag == "-m" and any(module == m or module.startswith(f"{m}.") for m in STACK_MODULES):
+            return f"python -m {module}"
+    if argv and os.path.basename(argv[0]) in STACK_COMMANDS:
+        return argv[0]
+    return None
+
+
+def _refuse_stack_subprocesses(mp: pytest.MonkeyPatch) -> None:
+    # _execute_child: every Popen (subprocess.run, asyncio's subprocesses) goes through it, and
+    # Popen cleans up its pipes when it raises.
+    execute_child = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+
+    def guarded(self: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> Any:
+        if (command := _stack_command(args)) is not None:
+            _refuse(f"a `{command}` subprocess")
+        return execute_child(self, args, *rest, **kwargs)
+
+    mp.setattr(subprocess.Popen, "_execute_child", guarded)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item,
+                            nextitem: pytest.Item | None) -> Generator[None, object, object]:
+    if item.get_closest_marker("slow") is not None:
+        return (yield)
+    with pytest.MonkeyPatch.context() as mp:
+        for name in {name for name, _, _ in PROCESS_STARTS}:
+            if name in sys.modules:
+                _patch_process_starts(sys.modules[name], mp)
+        _refuse_stack_subprocesses(mp)
+        finder = _PatchOnImport(mp)
+        sys.meta_path.insert(0, finder)
+        try:
+            return (yield)
+        finally:
+            sys.meta_path.remove(finder)

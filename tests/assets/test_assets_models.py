@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from torchtitan_rl.assets.make_model import MODEL_SIZES, directory_digest, ensure_model, make_model
@@ -64,6 +65,7 @@ def test_tokenizer_has_chat_template_and_turn_tokens(tiny_model_dir):
     assert tok.convert_tokens_to_ids("<|im_start|>") != tok.unk_token_id
 
 
+@pytest.mark.slow
 def test_transformers_and_vllm_agree_on_greedy_tokens_in_float32(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import EngineArgs, LLMEngine, SamplingParams

@@ -121,6 +121,7 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run_config", sorted(
     str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "run_configs").glob("*.toml")))
 def test_cli_print_config_exits_zero_with_loadable_toml(run_config):
@@ -142,6 +143,7 @@ def _resolve_from_root(argv: list[str]) -> RLJob.Config:
         os.chdir(cwd)
 
 
+@pytest.mark.slow
 def test_cli_unknown_key_exits_2_with_one_line():
     proc = _run_cli("--no_such.key", "1")
     assert proc.returncode == 2
@@ -194,6 +196,7 @@ def test_moved_keys_say_what_to_write(tmp_path, text, message):
         parse_args(RLJob.Config, ["--loop.prompts_per_step", "4"])
 
 
+@pytest.mark.slow
 def test_print_resolved_shows_what_each_part_gets():
     proc = _run_cli("--config", "run_configs/alphabet_sort_cpu.toml", "--seed", "7",
                     "--warm_start.enabled", "false", "--print-resolved")

@@ -13,6 +13,8 @@ from torchtitan_rl.train import main
 
 from tests.controller.jobs import read_metrics, tiny_job
 
+pytestmark = pytest.mark.slow  # a whole job (and a GPU)
+
 
 @pytest.mark.gpu
 def test_gpu_smoke_runs_a_few_steps(tmp_path):

@@ -29,6 +29,8 @@ from torchtitan_rl.types import Sampling
 from tests.controller.jobs import REPO_ROOT, read_metrics, tiny_job
 from tests.controller.multi_turn_letter_task import MultiTurnLetterTask, env_message
 
+pytestmark = pytest.mark.slow  # a whole job
+
 NUM_STEPS = 2
 NUM_TURNS = 3
 SEQ_LEN = 160

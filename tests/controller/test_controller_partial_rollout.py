@@ -67,6 +67,7 @@ def test_resumed_pieces_get_distinct_seeds_that_vllm_accepts():
         Sampling(seed=2**63)
 
 
+@pytest.mark.slow
 def test_a_pull_mid_request_with_abort_resumes_on_the_new_weights_on_real_vllm(tmp_path):
     """The real path of partial rollouts: a pull at a chosen engine step, then abort (what
     GeneratorPool.push_weights does with partial_rollout = "abort"). The joined completion is the

@@ -55,6 +55,7 @@ def local_and_process_runs(tmp_path_factory):
     return _run_two_generator_job(out, "local"), _run_two_generator_job(out, "process")
 
 
+@pytest.mark.slow
 def test_job_over_simulated_hosts_trains_as_on_one_host(local_and_process_runs):
     local, process = local_and_process_runs
     # Synchronous training (S = 0) is deterministic: the hosts must change nothing but the wires.
@@ -95,6 +96,7 @@ def _stop(worker: subprocess.Popen) -> None:
     worker.wait(timeout=60)
 
 
+@pytest.mark.slow
 def test_job_attached_to_tcp_workers_trains_with_the_message_transport(tmp_path):
     addresses = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(2)]
     workers = [_start_worker(address) for address in addresses]
@@ -116,6 +118,7 @@ def test_job_attached_to_tcp_workers_trains_with_the_message_transport(tmp_path)
         assert 0 <= metrics[step]["async/policy_age_max"] <= 1
 
 
+@pytest.mark.slow
 def test_a_worker_gone_before_the_run_fails_it_with_one_line(tmp_path):
     addresses = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(2)]
     workers = [_start_worker(address) for address in addresses]
@@ -135,6 +138,7 @@ def test_a_worker_gone_before_the_run_fails_it_with_one_line(tmp_path):
     assert f"placement.workers[1] {addresses[1]}: no worker answers there" in errors[0]
 
 
+@pytest.mark.slow
 def test_a_generator_lost_on_its_host_is_replaced_on_that_host(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "lost", "12",
@@ -165,6 +169,7 @@ def test_a_generator_lost_on_its_host_is_replaced_on_that_host(tmp_path):
     assert read_metrics(tmp_path / "lost")[11]["generator/restarts"] == 1
 
 
+@pytest.mark.slow
 def test_a_generator_host_lost_for_good_fails_the_run_with_one_line(tmp_path):
     """The generator's whole host (its worker and procs) dies: Monarch reports the generator
     lost (~1 min: no proc is left to report), the replacement cannot spawn there (its spawn is

@@ -26,6 +26,7 @@ def uninterrupted_run(sync_tiny_run):
     return sync_tiny_run
 
 
+@pytest.mark.slow
 def test_three_step_sync_run_logs_finite_metrics_tensorboard_and_checkpoints(uninterrupted_run):
     run_dir, summary = uninterrupted_run
     assert summary["steps"] == 3
@@ -57,6 +58,7 @@ def test_three_step_sync_run_logs_finite_metrics_tensorboard_and_checkpoints(uni
     assert (run_dir / "rollouts" / "rollouts.jsonl").read_text().count("\n") == 3 * 2 * 4
 
 
+@pytest.mark.slow
 def test_resume_from_step_two_repeats_step_three_bit_for_bit(uninterrupted_run, tmp_path):
     full_dir, _ = uninterrupted_run
     first = tiny_job(tmp_path, "resumed", num_steps=2)
@@ -115,6 +117,7 @@ def test_group_size_below_two_is_rejected_before_anything_runs():
         _config("--rollouter.group_size", "1")
 
 
+@pytest.mark.slow
 def test_a_task_defined_only_in_tests_runs_a_real_job_from_a_toml_file(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torchtitan_rl.train", "--config",
@@ -130,6 +133,7 @@ def test_a_task_defined_only_in_tests_runs_a_real_job_from_a_toml_file(tmp_path)
         tmp_path / "letters" / "rollouts" / "rollouts.jsonl").read_text()
 
 
+@pytest.mark.slow
 def test_missing_model_directory_exits_2_with_one_line(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torchtitan_rl.train", "--model.path", str(tmp_path / "nope"),

@@ -9,9 +9,13 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from torchtitan_rl.controller.checkpointer import latest_complete_checkpoint
 
 from tests.controller.jobs import REPO_ROOT, read_metrics
+
+pytestmark = pytest.mark.slow  # torchrun ranks running a job
 
 # The tiny job of jobs.tiny_job as a TOML file, on LetterTask (a task defined only in tests/).
 TINY_ARGS = ["--config", "tests/controller/tiny_letter_job.toml", "--num_trainer_ranks", "2"]

@@ -64,6 +64,7 @@ def test_group_by_length_batches_see_random_examples_of_similar_length():
     assert next(plain) == random.Random(0).sample(examples, 4)  # unchanged without it
 
 
+@pytest.mark.slow  # 40 training steps in this process: the fast tier's largest cost by far
 def test_warm_start_learns_and_its_cache_is_reused(tiny_model_dir, tmp_path, caplog):
     warm = WarmStart(WarmStart.Config(enabled=True, num_steps=40, batch_size=8,
                                       num_conversations=64, group_by_length=True,

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a job and eval runs in subprocesses
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 JOB = "tests/controller/tiny_letter_job.toml"
 # Sampled validation (temperature 1, 4 samples of 16 episodes): a reward with spread, so agreement

@@ -23,6 +23,8 @@ from generator_testlib import (
 from torchtitan_rl.generator import StepStats
 from torchtitan_rl.types import Completion, Sampling
 
+pytestmark = pytest.mark.slow  # a vLLM engine
+
 CONFIG = tiny_config()
 
 

@@ -44,6 +44,7 @@ def _two_turns(config: Any) -> tuple[Completion, Completion]:
     return run(scenario())
 
 
+@pytest.mark.slow
 def test_next_turn_takes_every_whole_block_of_its_history_from_the_cache() -> None:
     config = tiny_config()
     assert config.block_size == 32
@@ -55,6 +56,7 @@ def test_next_turn_takes_every_whole_block_of_its_history_from_the_cache() -> No
     assert second.metrics.num_cached_prompt_tokens == computed // 32 * 32
 
 
+@pytest.mark.slow
 def test_vllm_cpu_default_block_of_128_reuses_nothing_of_a_short_history() -> None:
     first, second = _two_turns(tiny_config(block_size=None))
     assert len(first.prompt_token_ids) + len(first.token_ids) < 128
@@ -66,6 +68,7 @@ def test_block_size_must_be_positive() -> None:
         tiny_config(block_size=0)
 
 
+@pytest.mark.slow
 def test_running_requests_keep_their_kv_over_a_pull_and_new_ones_never_hit_older_blocks() -> None:
     """reset_prefix_cache without reset_running_requests: vLLM refuses to reset a cache while a
     request holds blocks, so each request's cache keys carry the policy version it was admitted

@@ -36,6 +36,8 @@ from torchtitan_rl.models.qwen3 import (
 from torchtitan_rl.types import Completion
 from torchtitan_rl.weight_sync import WeightPuller
 
+pytestmark = pytest.mark.slow  # vLLM engines
+
 CONFIG = tiny_config()
 PROMPTS = [[5, 6, 7], [100, 200, 300, 400], [9], [17, 18, 19, 20, 21, 22]]
 

@@ -134,6 +134,7 @@ def _alphabet_rollouter(tokenizer: Any) -> tuple[Any, Rollouter]:
     return task, rollouter
 
 
+@pytest.mark.slow
 def test_http_multi_turn_rollouts_through_rollouter(vllm_server: Server) -> None:
     from transformers import AutoTokenizer
 
@@ -207,6 +208,7 @@ def _in_process_generate(model_dir: pathlib.Path,
     return outputs
 
 
+@pytest.mark.slow
 def test_http_matches_in_process_engine(vllm_server: Server) -> None:
     tokenizer = tiny_tokenizer()
     task = AlphabetSortTask.Config(seed=0).build()

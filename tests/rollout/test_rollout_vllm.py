@@ -27,6 +27,8 @@ from torchtitan_rl.rollout import (
 )
 from torchtitan_rl.types import Completion, GenerateRequest, Sampling
 
+pytestmark = pytest.mark.slow  # a vLLM engine
+
 GROUP_SIZE = 8
 MAX_TOKENS = 16
 # The random tiny model almost never samples its end token; one token id in five as an extra stop

@@ -20,6 +20,8 @@ from torchtitan_rl.trainer.trainer import PolicyTrainer, rank0_value, spawn_poli
 from torchtitan_rl.types import GenerateRequest, Sampling, TrainingSample
 from torchtitan_rl.weight_sync.shared_memory import StagedWeights, StagingProgress
 
+pytestmark = pytest.mark.slow  # Monarch procs, trainer ranks and vLLM engines
+
 HERE = pathlib.Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
 PROMPTS = [[5, 17, 99, 250, 31], [400, 12, 7]]

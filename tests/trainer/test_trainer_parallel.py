@@ -14,6 +14,8 @@ from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
 from torchtitan_rl.trainer.core import PolicyTrainerCore
 from torchtitan_rl.types import TrainingSample
 
+pytestmark = pytest.mark.slow  # two torch.multiprocessing trainer ranks
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 

@@ -21,6 +21,8 @@ from torchtitan_rl.weight_sync.pull import (
     weight_mismatches,
 )
 
+pytestmark = pytest.mark.slow  # vLLM engines
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 17, 99, 250, 31], [400, 12, 7], [3, 3, 600, 701, 702, 9, 44]]
 
