@@ -15,6 +15,10 @@ terminal stays reachable through duplicates of the original descriptors: `consol
 lines) and `console_out` (the last line). A log record reaches the console when it carries
 ``extra=CONSOLE`` or is a warning or error of a ``torchtitan_rl`` logger.
 
+An error is one console line of at most `ERROR_LINE_LIMIT` characters (`error_line`): what failed
+(the actor call, the module) and the exception's last line, even when the error carries a remote
+traceback (Monarch's ActorError, a supervision report); the whole text goes to the log file.
+
 Actor processes call `configure_process_logging` once (it reads the level from the environment
 this module sets) so their own INFO lines reach the log file and vLLM's known-harmless lines are
 dropped at their source (`silence_known_upstream_noise`).
@@ -25,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import re
 import sys
 import time
 from typing import Any, TextIO
@@ -80,6 +85,71 @@ class _Formatter(logging.Formatter):
             record.message = saved
 
 
+ERROR_LINE_LIMIT = 300
+"""Most characters of an ``error:`` line (and of a quiet console's line about a failure)."""
+
+_TRACEBACK = re.compile(r"Traceback (?:of where the remote call failed )?"
+                        r"\(most recent call last\):")
+_FRAME = re.compile(r'File "([^"]*)", line (\d+)')
+_EXCEPTION = re.compile(r"(?<![\w.])(?:[A-Za-z_]\w*\.)*[A-Z]\w*"
+                        r"(?:Error|Exception|Exit|Interrupt|Failure|Warning|Fault)(?=: |:?$)")
+
+
+def split_report(text: str) -> tuple[str, str, str | None]:
+    """A failure's text (one line or many, with Python tracebacks in it, e.g. a remote one) as
+    (what failed: the text before the first traceback, the exception's last line: what follows
+    the last traceback's frames, where: ``file:line`` of the innermost frame or None). Without a
+    traceback: (the text, "", None)."""
+    folded = " ".join(text.split())
+    tracebacks = list(_TRACEBACK.finditer(folded))
+    if not tracebacks:
+        return folded, "", None
+    head = folded[:tracebacks[0].start()].strip(" :")
+    tail = folded[tracebacks[-1].end():]
+    frames = list(_FRAME.finditer(tail))
+    where = None
+    if frames:
+        where = f"{pathlib.Path(frames[-1].group(1)).name}:{frames[-1].group(2)}"
+        tail = tail[frames[-1].end():]
+    exception = _EXCEPTION.search(tail)
+    return head, (tail[exception.start():] if exception else tail).strip(), where
+
+
+def short_report(text: str, limit: int = ERROR_LINE_LIMIT) -> str:
+    """``text`` in at most ``limit`` characters on one line: what failed and the exception's
+    last line, each clipped as needed."""
+    head, last, _ = split_report(text)
+    if not last:
+        return _clip(head, limit)
+    if not head:
+        return _clip(last, limit)
+    if len(head) + 2 + len(last) > limit:
+        head = _clip(head, max(limit // 3, limit - len(last) - 2))
+        last = _clip(last, limit - len(head) - 2)
+    return f"{head.rstrip('.')}: {last}"
+
+
+def error_line(error: BaseException, *, log_file: str | os.PathLike[str] | None = None,
+               name_type: bool = True, limit: int = ERROR_LINE_LIMIT) -> str:
+    """``error: <Type>: <what failed>: <the exception's last line> (traceback: <log file>)`` in
+    at most ``limit`` characters; ``name_type`` False leaves the type out (an error whose text
+    says it all, e.g. RunFailedError's ``actor mesh failure: ...``)."""
+    suffix = f" (traceback: {log_file})" if log_file else ""
+    budget = max(80, limit - len("error: ") - len(suffix))
+    name = type(error).__name__
+    text = str(error)
+    if name_type:
+        budget -= len(name) + 2
+    body = short_report(text, budget) if text.strip() else ""
+    if name_type:
+        body = f"{name}: {body}" if body else name
+    return f"error: {body or name}{suffix}"
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:max(0, limit - 3)].rstrip() + "..."
+
+
 class _ConsoleHandler(logging.Handler):
     """Writes a record as one line above the progress bars (``tqdm.write``)."""
 
@@ -97,6 +167,16 @@ class _ConsoleHandler(logging.Handler):
             return False
         return super().filter(record)
 
+    def format(self, record: logging.LogRecord) -> str:
+        """Quiet: a record about a failure (a traceback, a folded remote report) is one short
+        line (the log file keeps the whole record); a multi-line record without a traceback
+        (e.g. where every task waits) stays whole."""
+        text = super().format(record)
+        if self.quiet and (record.exc_info or _TRACEBACK.search(text) or (
+                "\n" not in text and len(text) > ERROR_LINE_LIMIT)):
+            return short_report(text)
+        return text
+
     def emit(self, record: logging.LogRecord) -> None:
         from tqdm import tqdm
 
@@ -113,13 +193,8 @@ def setup_run_logging(run_dir: pathlib.Path | str, level: str, *, command: str =
     the log file. ``redirect`` False keeps fds 1 and 2 (tests in one process)."""
     global _console_out, _console_err
 
-    log_dir = pathlib.Path(run_dir) / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_file = (log_dir / f"{command}.log").resolve()
+    log_file = append_to_run_log(run_dir, command, "")
     quiet = level != "debug"
-    with log_file.open("a") as f:
-        f.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: "
-                f"{' '.join(sys.argv)}\n")
     if quiet and redirect and _console_err is None:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -147,6 +222,19 @@ def setup_run_logging(run_dir: pathlib.Path | str, level: str, *, command: str =
     os.environ[LOG_LEVEL_ENV] = level  # inherited by the Monarch procs and torchrun ranks
     os.environ[LOG_FILE_ENV] = str(log_file)
     silence_known_upstream_noise()
+    return log_file
+
+
+def append_to_run_log(run_dir: pathlib.Path | str, command: str, text: str) -> pathlib.Path:
+    """Append this invocation's header line and ``text`` to ``<run_dir>/logs/<command>.log``
+    (made as needed); returns the file. Also where a failure found before logging is set up
+    (a task module that raised on import) leaves its traceback."""
+    log_dir = pathlib.Path(run_dir) / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_file = (log_dir / f"{command}.log").resolve()
+    with log_file.open("a") as f:
+        f.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: "
+                f"{' '.join(sys.argv)}\n{text}")
     return log_file
 
 

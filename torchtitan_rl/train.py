@@ -58,7 +58,8 @@ def cli(argv: list[str] | None = None) -> None:
 
         print_help(argv, usage=USAGE, description=DESCRIPTION, global_options=GLOBAL_OPTIONS)
         return
-    from torchtitan_rl.config.manager import config_to_toml, log_level, parse_args
+    from torchtitan_rl.config.manager import (
+        config_error_line, config_to_toml, log_level, parse_args)
     from torchtitan_rl.controller.job import RLJob
     from torchtitan_rl.controller.torchrun import run_follower, run_rank0, torchrun_rank
 
@@ -70,7 +71,7 @@ def cli(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         if follower:  # rank 0 reports it (a failing follower would get rank 0 killed first)
             sys.exit(0)
-        print(f"error: {e}", file=sys.stderr)
+        print(config_error_line(e, RLJob.Config, argv), file=sys.stderr)
         sys.exit(2)
     if parsed.print_config:
         if not follower:
@@ -98,7 +99,7 @@ def cli(argv: list[str] | None = None) -> None:
 def guarded(run: Callable[[], int]) -> int:
     """``run()``'s exit code; an unexpected exception is one ``error:`` line on the console (its
     traceback goes to the log file) and exit code 1, Ctrl-C exit code 130."""
-    from torchtitan_rl.console import LOG_FILE_ENV, console_err
+    from torchtitan_rl.console import LOG_FILE_ENV, console_err, error_line
 
     try:
         return run()
@@ -109,10 +110,8 @@ def guarded(run: Callable[[], int]) -> int:
         logging.getLogger("torchtitan_rl.train").error(
             "the run raised %s", type(e).__name__, exc_info=True,
             extra={"console": False})  # the traceback: log file only (see console.py)
-        message = _one_line(e) or type(e).__name__
-        where = os.environ.get(LOG_FILE_ENV)
-        print(f"error: {type(e).__name__}: {message}" + (f" (traceback: {where})" if where else ""),
-              file=console_err())
+        # A remote traceback (ActorError) in one line: the actor call and the exception.
+        print(error_line(e, log_file=os.environ.get(LOG_FILE_ENV)), file=console_err())
         return 1
 
 
@@ -121,7 +120,7 @@ def run_and_report(config: RLJob.Config,
     """Run ``config`` as the command line does (with ``run``, default `main`): the summary as
     the last line, or one ``error:`` line. Returns the process exit code (0 ok, 1 run failed,
     2 bad config)."""
-    from torchtitan_rl.console import console_err, console_out
+    from torchtitan_rl.console import console_err, console_out, error_line
     from torchtitan_rl.controller.supervision import RunFailedError
 
     try:
@@ -131,7 +130,7 @@ def run_and_report(config: RLJob.Config,
         return 2
     except RunFailedError as e:
         logger.debug("run failed", exc_info=True)
-        print(f"error: {_one_line(e)}", file=console_err())
+        print(error_line(e, name_type=False), file=console_err())  # a report: what and why
         return 1
     # The last line of the job: what a person (or a script) reads first.
     print(" ".join(f"{k}={_fmt(summary[k])}" for k in ("reward_before", "reward_after", "steps",

@@ -21,6 +21,7 @@ import difflib
 import enum
 import functools
 import importlib
+import pathlib
 import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
@@ -99,17 +100,56 @@ def import_config_class(type_path: Any, base: type, path: str) -> type:
     module_name, _, qualname = type_path.partition(":")
     if not qualname:
         module_name, _, qualname = type_path.rpartition(".")
+    if not module_name or module_name.startswith(".") or not qualname:
+        raise ConfigError(f"{path}: expected an import path 'package.module:Class', got "
+                          f"{type_path!r}")
     try:
         obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (module_name == e.name or module_name.startswith(f"{e.name}.")):
+            raise ConfigError(_import_failed(path, type_path, e)) from e  # one of its imports
+        raise ConfigError(f"{path}: cannot import {type_path!r} ({e})") from None
+    except Exception as e:  # the module's own code raised: one line, its traceback kept as cause
+        raise ConfigError(_import_failed(path, type_path, e)) from e
+    try:
         for part in qualname.split("."):
             obj = getattr(obj, part)
-    except (ImportError, AttributeError, ValueError) as e:
+    except AttributeError as e:
         raise ConfigError(f"{path}: cannot import {type_path!r} ({e})") from None
     config_cls = getattr(obj, "Config", obj)
     if not (isinstance(config_cls, type) and issubclass(config_cls, base)):
         raise ConfigError(f"{path}: {type_path!r} is not a {base.__qualname__} (its Config must "
                           f"subclass {base.__module__}.{base.__qualname__})")
     return config_cls
+
+
+def _import_failed(path: str, type_path: str, error: BaseException) -> str:
+    """One line for a module that raised on import: the exception's last line and where (the
+    innermost frame), clipped; the CLI writes the whole traceback to the run's log file."""
+    import traceback
+
+    if isinstance(error, SyntaxError):  # its own file and line, not importlib's frame
+        where = f" ({pathlib.Path(error.filename or '?').name}:{error.lineno})"
+        message = error.msg or ""
+    else:
+        # The innermost frame of the user's code (the task module, not json or importlib).
+        frames = [f for f in traceback.extract_tb(error.__traceback__)
+                  if not f.filename.startswith("<frozen")]
+        own = [f for f in frames if not _is_library_file(f.filename)] or frames
+        where = f" ({pathlib.Path(own[-1].filename).name}:{own[-1].lineno})" if own else ""
+        message = " ".join(str(error).split())
+    if len(message) > 160:
+        message = message[:157].rstrip() + "..."
+    last = f"{type(error).__name__}: {message}" if message else type(error).__name__
+    return f"{path}: importing {type_path!r} raised {last}{where}"
+
+
+def _is_library_file(filename: str) -> bool:
+    import sysconfig
+
+    path = pathlib.Path(filename)
+    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    return "site-packages" in path.parts or stdlib in path.parents
 
 
 def moved_key_hint(cls: type, key: str) -> str | None:

@@ -194,6 +194,52 @@ def parse_args(
     )
 
 
+def config_error_line(error: ConfigError, root_cls: type, argv: list[str], *,
+                      command: str = "train") -> str:
+    """The ``error:`` line for a config error of ``argv``. One caused by another exception (a
+    task module that raised on import) appends that traceback to the run's log file
+    (`run_dir_hint`) and names the file."""
+    import traceback
+
+    line = f"error: {error}"
+    cause = error.__cause__
+    run_dir = run_dir_hint(root_cls, argv) if cause is not None else None
+    if cause is None or run_dir is None:
+        return line
+    from torchtitan_rl.console import append_to_run_log
+
+    try:
+        log_file = append_to_run_log(run_dir, command, "".join(
+            traceback.format_exception(type(cause), cause, cause.__traceback__)))
+    except OSError:  # an unwritable output folder: the line alone
+        return line
+    return f"{line} (traceback: {log_file})"
+
+
+def run_dir_hint(root_cls: type, argv: list[str]) -> pathlib.Path | None:
+    """The run folder ``argv`` names, read without building its config (which may have just
+    failed): ``--name`` / ``--output_dir``, else the ``--config`` TOML's, else the defaults.
+    None when the name is not one plain folder name."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--config")
+    parser.add_argument("--name")
+    parser.add_argument("--output_dir")
+    args, _ = parser.parse_known_args(argv)
+    data: dict[str, Any] = {}
+    if args.config:
+        try:
+            data = load_toml(args.config)
+        except ConfigError:
+            pass
+    default = root_cls()
+    name = args.name or data.get("name") or getattr(default, "name", None)
+    output_dir = args.output_dir or data.get("output_dir") or getattr(default, "output_dir", None)
+    if not (isinstance(name, str) and isinstance(output_dir, str)) or name.strip() in (
+            "", ".", "..") or any(c in name for c in "/\\\0"):
+        return None
+    return pathlib.Path(output_dir) / name
+
+
 def _parser(root_cls: type, leaves: dict[str, Any]) -> _RaisingArgumentParser:
     parser = _RaisingArgumentParser(
         prog="python -m torchtitan_rl.train", allow_abbrev=False, add_help=False

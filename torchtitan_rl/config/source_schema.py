@@ -111,7 +111,10 @@ class SourceIndex:
             if origin is None or not origin.endswith(".py") or _is_stdlib(origin):
                 self._modules[name] = None
             else:
-                tree = ast.parse(pathlib.Path(origin).read_text(), filename=origin)
+                try:
+                    tree = ast.parse(pathlib.Path(origin).read_text(), filename=origin)
+                except SyntaxError as e:  # importing it says so in one line (help falls back)
+                    raise SourceSchemaError(f"{name}: {e}") from None
                 self._modules[name] = SourceModule(
                     name=name, tree=tree, namespace=_namespace(tree.body),
                     is_package=spec.submodule_search_locations is not None)
