@@ -47,3 +47,26 @@ def test_annotate_toml_comments_tables_list_entries_and_keys():
     assert out.startswith("# top key\na = 1\n")
     assert out.count("# a key in a list entry\nx = ") == 2
     assert annotate_toml(text, {}) == text
+
+
+def test_none_over_a_value_default_round_trips_through_print_config():
+    """TOML has no null: a None where the default is a value is written "none", which reads
+    back as None (a field whose type takes strings keeps the string)."""
+    from torchtitan_rl.config.manager import config_from_toml_text
+
+    config = parse_args(RLJob.Config, [
+        "--trainer.max_grad_norm", "none", "--generator.block_size", "none",
+        "--rollouter.step_timeout_s", "null"]).config
+    assert config.trainer.max_grad_norm is None and config.generator.block_size is None
+    text = config_to_toml(config)
+    assert 'max_grad_norm = "none"' in text and 'block_size = "none"' in text
+    assert config_from_toml_text(RLJob.Config, text) == config
+    # written by hand in a TOML, too
+    loaded = config_from_toml_text(RLJob.Config, '[trainer]\nmax_grad_norm = "none"\n'
+                                                 '[task]\ntype = "torchtitan_rl.examples.'
+                                                 'alphabet_sort:AlphabetSortTask"\n'
+                                                 'system_prompt = "none"\n')
+    assert loaded.trainer.max_grad_norm is None
+    assert loaded.task.system_prompt == "none"
+    # defaults that are None stay out of the printed TOML
+    assert 'seed = "none"' not in config_to_toml(RLJob.Config())

@@ -174,6 +174,8 @@ def from_data(tp: Any, value: Any, path: str) -> Any:
                 return from_data(arg, value, path)
             except ConfigError as e:
                 errors.append(e)
+        if _NONE_TYPE in args and _is_none_text(value):  # TOML has no null: "none" says it
+            return None
         raise _type_error(path, tp, value)
     if origin is Literal:
         if value in get_args(tp) and not (isinstance(value, bool) and True not in get_args(tp)):
@@ -314,15 +316,19 @@ def parse_cli_value(tp: Any, text: str, path: str) -> Any:
 
 
 def to_data(value: Any) -> Any:
-    """A config tree as plain TOML-able data. ``None`` fields are omitted (TOML has no null)."""
+    """A config tree as plain TOML-able data. TOML has no null: a ``None`` field is omitted
+    where its default is None, and written ``"none"`` (which reads back as None) where the
+    default is a value, so ``--print-config`` loads back to an equal config."""
     if is_config_class(type(value)):
         out = {}
         if is_polymorphic(type(value)) and getattr(type(value), "_owner", None) is not None:
             out[TYPE_KEY] = type_path_of(value)
-        for name, _, _ in resolved_fields(type(value)):
+        for name, tp, field in resolved_fields(type(value)):
             v = getattr(value, name)
             if v is not None:
                 out[name] = to_data(v)
+            elif _default_of(field) is not None and _reads_none_text_as_none(tp):
+                out[name] = "none"
         return out
     if isinstance(value, enum.Enum):
         return value.value
@@ -331,6 +337,27 @@ def to_data(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): to_data(v) for k, v in value.items() if v is not None}
     return value
+
+
+def _is_none_text(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() in ("none", "null")
+
+
+def _reads_none_text_as_none(tp: Any) -> bool:
+    """Whether ``from_data(tp, "none")`` is None (an optional type no member of which takes the
+    string)."""
+    try:
+        return from_data(tp, "none", "") is None
+    except ConfigError:
+        return False
+
+
+def _default_of(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None
 
 
 def leaf_paths(cls: type, prefix: str = "", instance: Any = None) -> dict[str, Any]:
