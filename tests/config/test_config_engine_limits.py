@@ -124,3 +124,24 @@ def test_the_cpu_block_size_rule_is_vllms():
         MultipleOf(CPU_BLOCK_MULTIPLE)]
     for block in (16, 17, 32, 48, 64, 96, 128):
         assert CPUAttentionBackend.supports_block_size(block) == (block % CPU_BLOCK_MULTIPLE == 0)
+
+
+def test_trainer_attention_that_cannot_train_on_cpu():
+    assert _error(_plan("--trainer.attn_backend", "flex", "--trainer.device", "cpu")) == (
+        "trainer.attn_backend='flex': torch's FlexAttention has no backward on CPU, and the "
+        "trainer runs on CPU (trainer.device='cpu'); use 'sdpa_packed'")
+    assert _error(_plan("--trainer.attn_backend", "varlen", "--trainer.device", "cpu")).startswith(
+        "trainer.attn_backend='varlen': varlen attention runs flash attention kernels")
+    # on a scheduler's hosts with device auto: they may have GPUs
+    plan = _plan("--trainer.attn_backend", "flex", "--placement.kind", "attach",
+                 "--placement.workers", "tcp://a:1,tcp://b:2")
+    check_engine_values(plan, platform=None)
+
+
+def test_trainer_device_cuda_without_cuda_here():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert _error(_plan("--trainer.device", "cuda")).startswith(
+        "trainer.device='cuda': this machine has no CUDA device")

@@ -4,7 +4,8 @@
 
 A generator's vLLM engine checks its block size, its model length and its KV cache when it
 starts, in its own process, ~20 s into a run; a sampling value vLLM refuses fails the first
-request that carries it. Each rule here is vLLM's own (the version this project pins: 0.32),
+request that carries it; a trainer attention torch cannot run on CPU fails at the first training
+step. Each rule here is vLLM's own (the version this project pins: 0.32),
 checked before anything is spawned and reported as one ``ConfigError`` line naming the dotted
 key, the value and the allowed range. A rule whose answer depends on what vLLM sees on the
 generators' hosts (the attention backend) uses this machine's platform when the generators run
@@ -43,6 +44,12 @@ block sizes that are multiples of 16 (vllm/v1/attention/backends/*.py)."""
 DEFAULT_BLOCK_SIZE = {"cpu": 128, "gpu": 16}
 """vLLM's block size when none is given (vllm/platforms/cpu.py; CacheConfig's default)."""
 
+_GPU_ONLY_ATTENTION = {
+    "flex": "torch's FlexAttention has no backward on CPU",
+    "varlen": "varlen attention runs flash attention kernels, which CPU torch lacks",
+}
+"""Measured: each fails at the trainer's first forward_backward on CPU (torch 2.13)."""
+
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
@@ -77,10 +84,17 @@ def check_engine_values(plan: ResolvedJob, *, platform: Platform | None | str = 
     if plan.validation.temperature < 0:
         raise ConfigError(f"validation.temperature={plan.validation.temperature}: must be >= 0 "
                           f"(0 = greedy)")
-    if plan.trainer.device == "cuda" and plan.placement.kind in ("local", "process") \
-            and not _cuda_here():
+    trainer_here = plan.placement.kind in ("local", "process")
+    if plan.trainer.device == "cuda" and trainer_here and not _cuda_here():
         raise ConfigError("trainer.device='cuda': this machine has no CUDA device and the "
                           "placement (local/process) runs the trainer here; use 'auto' or 'cpu'")
+    on_cpu = plan.trainer.device == "cpu" or (
+        plan.trainer.device == "auto" and trainer_here and not _cuda_here())
+    if on_cpu and plan.trainer.attn_backend in _GPU_ONLY_ATTENTION:
+        raise ConfigError(
+            f"trainer.attn_backend={plan.trainer.attn_backend!r}: "
+            f"{_GPU_ONLY_ATTENTION[plan.trainer.attn_backend]}, and the trainer runs on CPU "
+            f"(trainer.device={plan.trainer.device!r}); use 'sdpa_packed'")
 
 
 def check_generator(generator: Generator.Config, *, hf: dict[str, Any],
