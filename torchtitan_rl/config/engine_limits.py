@@ -5,9 +5,9 @@
 A generator's vLLM engine checks its block size, its model length and its KV cache when it
 starts, in its own process, ~20 s into a run; a sampling value vLLM refuses fails the first
 request that carries it; a trainer attention torch cannot run on CPU fails at the first training
-step. Each rule here is vLLM's own (the version this project pins: 0.32),
-checked before anything is spawned and reported as one ``ConfigError`` line naming the dotted
-key, the value and the allowed range. A rule whose answer depends on what vLLM sees on the
+step. Each rule here is the engine's own (the versions this project pins: vLLM 0.32, torch
+2.13), checked before anything is spawned and reported as one ``ConfigError`` line naming the
+dotted key, the value and the allowed range. A rule whose answer depends on what vLLM sees on the
 generators' hosts (the attention backend) uses this machine's platform when the generators run
 here (``placement.kind`` local or process) and the rule every vLLM backend shares elsewhere.
 """
