@@ -288,8 +288,13 @@ def _warm_start_fingerprint(task: TaskConfig, enable_thinking: bool | None = Non
     template's thinking mode they are rendered in (`rollouter.enable_thinking`; absent when None,
     so warm starts cached before the setting existed keep their key)."""
     data = to_data(task)
-    for key in type(task).warm_start_independent_fields:
-        data.pop(key, None)
+    independent = type(task).warm_start_independent_fields
+    unknown = [key for key in independent if key not in data]
+    if unknown:  # a typo here would keep a stale warm start without a word
+        raise ConfigError(f"{type(task).__qualname__}.warm_start_independent_fields names "
+                          f"{unknown}, which are not fields of the task's Config")
+    for key in independent:
+        data.pop(key)
     if enable_thinking is not None:
         data = {"task": data, "rollouter.enable_thinking": enable_thinking}
     return json.dumps(data, sort_keys=True)
