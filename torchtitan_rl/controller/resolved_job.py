@@ -16,7 +16,7 @@ import json
 import pathlib
 from typing import ClassVar
 
-from torchtitan_rl.config.engine_limits import check_engine_values
+from torchtitan_rl.controller.engine_limits import check_engine_values
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.controller.checkpointer import Checkpointer
 from torchtitan_rl.controller.loop import TrainingLoop
