@@ -20,16 +20,26 @@ import math
 import os
 import pathlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from torchtitan_rl.config.errors import ConfigError
 
 if TYPE_CHECKING:
-    from torchtitan_rl.controller.resolved_job import ResolvedJob
     from torchtitan_rl.generator import Generator
     from torchtitan_rl.types import Sampling
 
 Platform = Literal["cpu", "gpu"]
+
+
+class EnginePlan(Protocol):
+    """What the checks read of a job's resolved plan (a `ResolvedJob`)."""
+
+    base_model_dir: str
+    generators: list[Generator.Config]
+    sampling: Sampling
+    placement: Any
+    trainer: Any
+    validation: Any
 
 CPU_BLOCK_MULTIPLE = 32
 """vLLM's CPU attention backend runs block sizes that are multiples of 32
@@ -59,7 +69,7 @@ _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_l
 vllm/transformers_utils/model_arch_config_convertor.py)."""
 
 
-def check_engine_values(plan: ResolvedJob, *, platform: Platform | None | str = "detect") -> None:
+def check_engine_values(plan: EnginePlan, *, platform: Platform | None | str = "detect") -> None:
     """Raise ConfigError for the first value of ``plan`` an engine would refuse. ``platform``:
     where the generators run ("cpu", "gpu", None for unknown); "detect": this machine's vLLM
     platform when the placement keeps the generators here, else unknown."""
