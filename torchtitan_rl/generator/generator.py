@@ -185,7 +185,7 @@ class Generator(Actor, Configurable):
     async def share_on_host(self, state_dict: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
         """Rank 0 of a tensor-parallel generator: copy weights that came by message into a
         shared segment on this host and return references, so the message crosses to the host
-        once and every rank reads the one copy (weight_sync/push.py ``pull_once_per_host``).
+        once and every rank reads the one copy (weight_sync/push.py ``pull_on_every_rank``).
         The segment is reused at the next push, after every rank has pulled this one. The
         references travel as plain fields (a SharedTensorRef would attach wherever the reply is
         unpickled: on the pusher's host)."""
