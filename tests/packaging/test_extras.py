@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import pathlib
 import re
+import subprocess
 import sys
 import tomllib
 
@@ -157,11 +158,12 @@ def test_package_imports_only_torch_free_monarch_modules() -> None:
 
 
 def test_monarch_modules_used_load_no_libtorch() -> None:
-    # In this process other tests may have imported torch already; what matters is that the
-    # monarch modules themselves do not pull in monarch's libtorch-linked extension.
-    import monarch.actor  # noqa: F401
-    import monarch.job  # noqa: F401
-    import monarch.spmd  # noqa: F401
-
-    assert "monarch.common._C" not in sys.modules
-    assert "monarch.gradient" not in sys.modules
+    # In a fresh interpreter: monarch.job imports flask, whose LocalProxy objects break vLLM's
+    # kernel rebinding for every later engine built in the same process (the test session's).
+    code = ("import sys, monarch.actor, monarch.job, monarch.spmd; "
+            "print(sorted(m for m in ('monarch.common._C', 'monarch.gradient', 'torch') "
+            "if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, check=True)
+    loaded = result.stdout.strip().splitlines()[-1]
+    assert "monarch.common._C" not in loaded and "monarch.gradient" not in loaded, loaded
