@@ -46,6 +46,8 @@ T = TypeVar("T")
 
 STOP_TIMEOUT_S = 60.0
 SPAWN_TIMEOUT_S = 600.0
+LOST_REASON_CHARS = 100
+"""How much of a loss's reason a failed replacement's one-line error repeats."""
 
 
 class GeneratorPool:
@@ -230,7 +232,10 @@ class GeneratorPool:
         except Exception as e:
             logger.warning("replacing %s failed", old.name, exc_info=True)
             if not self._closing:  # else the run is over and closed the trainer under it
-                self.on_fatal(f"replacing {old.name} (lost: {reason}) failed: {e!r}")
+                # The loss was logged whole when it happened; the line keeps room for the cause.
+                lost = " ".join(reason.split())
+                lost = lost if len(lost) <= LOST_REASON_CHARS else lost[:LOST_REASON_CHARS] + "..."
+                self.on_fatal(f"replacing {old.name} (lost: {lost}) failed: {e!r}")
             return
         finally:
             self._replacing.pop(index, None)

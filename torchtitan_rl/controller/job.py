@@ -63,6 +63,10 @@ from torchtitan_rl.types import Sampling
 
 logger = logging.getLogger(__name__)
 
+SUPERVISION_REPORT_WAIT_S = 30.0
+"""How long a run whose call hit a dead actor waits for Monarch's report naming the mesh (it polls
+every second; a loaded box can take tens of seconds)."""
+
 
 def _default_rollouter() -> Rollouter.Config:
     return Rollouter.Config(group_size=8)
@@ -235,6 +239,9 @@ class RLJob(Configurable):
                 raise
             except Exception as e:
                 if is_supervision_error(e):  # a call to a dead actor: say which, in one line
+                    # The call's error names the proc's first actor (often Monarch's own); the
+                    # supervision report that follows names ours.
+                    await watch.wait_for_failure(timeout_s=SUPERVISION_REPORT_WAIT_S)
                     raise RunFailedError(watch.summary() if watch.failures else
                                          "actor mesh failure: " + " ".join(str(e).split())) from e
                 raise  # the run's own error, not masked by failures of the meshes it stopped

@@ -124,6 +124,14 @@ class MeshFailureWatch:
             return task.result()
         raise RunFailedError(self.summary())
 
+    async def wait_for_failure(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until a failure of one of our meshes is reported: a call
+        to a dead actor can fail before Monarch's supervision names the mesh that died."""
+        try:
+            await asyncio.wait_for(self._failed.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
     def summary(self) -> str:
         """One line naming the first fatal failure of one of our actors (Monarch's own actors on
         the same proc, e.g. torch elastic set-up, report the same death less clearly)."""
