@@ -37,6 +37,7 @@ from torchtitan_rl.config.convert import (
     unknown_key_error,
 )
 from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.config.run_name import check_run_name
 
 ConfigT = TypeVar("ConfigT")
 
@@ -234,8 +235,11 @@ def run_dir_hint(root_cls: type, argv: list[str]) -> pathlib.Path | None:
     default = root_cls()
     name = args.name or data.get("name") or getattr(default, "name", None)
     output_dir = args.output_dir or data.get("output_dir") or getattr(default, "output_dir", None)
-    if not (isinstance(name, str) and isinstance(output_dir, str)) or name.strip() in (
-            "", ".", "..") or any(c in name for c in "/\\\0"):
+    if not (isinstance(name, str) and isinstance(output_dir, str)):
+        return None
+    try:
+        check_run_name("name", name)
+    except ConfigError:
         return None
     return pathlib.Path(output_dir) / name
 

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.console import short_report
 from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
 from torchtitan_rl.controller.placement import RunHosts
 from torchtitan_rl.controller.router import GeneratorRouter
@@ -233,8 +234,7 @@ class GeneratorPool:
             logger.warning("replacing %s failed", old.name, exc_info=True)
             if not self._closing:  # else the run is over and closed the trainer under it
                 # The loss was logged whole when it happened; the line keeps room for the cause.
-                lost = " ".join(reason.split())
-                lost = lost if len(lost) <= LOST_REASON_CHARS else lost[:LOST_REASON_CHARS] + "..."
+                lost = short_report(reason, LOST_REASON_CHARS)
                 self.on_fatal(f"replacing {old.name} (lost: {lost}) failed: {e!r}")
             return
         finally:

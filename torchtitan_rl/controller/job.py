@@ -39,6 +39,7 @@ from typing import Any
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.config.convert import to_data
 from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.config.run_name import check_run_name
 from torchtitan_rl.controller.checkpointer import Checkpointer, ControllerState, flat_config
 from torchtitan_rl.controller.loop import TrainingLoop
 from torchtitan_rl.controller.model_source import ModelSource
@@ -70,23 +71,6 @@ every second; a loaded box can take tens of seconds)."""
 
 def _default_rollouter() -> Rollouter.Config:
     return Rollouter.Config(group_size=8)
-
-
-def check_run_name(key: str, name: str) -> None:
-    """A run name is one folder name inside the output folder: one ConfigError line naming
-    ``key`` and the value otherwise. Checked where the config is built (before a log file or a
-    folder exists): "../x" would put the run beside the checkout, "" or "." make the output
-    folder itself the run folder and ".." its parent (which `checkpoint.overwrite` would move
-    aside); a leading "-" reads as an option to every shell tool."""
-    problem = ("is empty" if not name.strip() else
-               "is '.' or '..'" if name in (".", "..") else
-               "contains a path separator" if "/" in name or "\\" in name else
-               "contains a NUL byte" if "\0" in name else
-               "starts with '-'" if name.startswith("-") else
-               "has leading or trailing spaces" if name != name.strip() else None)
-    if problem is not None:
-        raise ConfigError(f"{key}: {name!r} {problem}; a run name is one folder name (the run "
-                          f"folder is <output_dir>/<name>)")
 
 
 class RLJob(Configurable):

@@ -96,7 +96,7 @@ class EvalArgs:
 def eval_folder(config: Any, *, output_dir: str | None, name: str | None) -> pathlib.Path:
     """``<output_dir>/<name>``: by default ``<config.output_dir>/<config.name>-eval``, beside the
     run folder of the job the config describes. ``name`` is checked as a run name."""
-    from torchtitan_rl.controller.job import check_run_name
+    from torchtitan_rl.config.run_name import check_run_name
 
     if name is not None:
         check_run_name("name", name)
