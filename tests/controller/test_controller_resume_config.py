@@ -17,15 +17,13 @@ import sys
 import pytest
 
 from torchtitan_rl.config.errors import ConfigError
-from torchtitan_rl.controller.checkpointer import (
+from torchtitan_rl.controller.checkpointer import Checkpointer, ControllerState, step_dir
+from torchtitan_rl.controller.resume_config import (
     JOB_CONFIG_FILE,
     RESUME_MAY_CHANGE,
-    Checkpointer,
-    ControllerState,
     config_changes,
     flat_config,
     may_change_on_resume,
-    step_dir,
 )
 from torchtitan_rl.controller.job import RLJob
 

@@ -15,7 +15,7 @@
 A run folder is never silently wiped: ``resume = "auto"`` continues from its newest complete
 checkpoint, and starting over an earlier run's outputs needs ``overwrite`` (they are moved aside,
 not deleted). A resume whose config differs from the checkpoint's in a key that changes training
-(any key not in `RESUME_MAY_CHANGE`) is refused in one line naming the keys, old and new values,
+(any key not in `RESUME_MAY_CHANGE`, resume_config.py) is refused in one line naming the keys, old and new values,
 unless ``allow_config_change``. A checkpoint without controller.json (the process died while
 writing it), or whose files do not read back, is skipped with one logged line: the previous
 complete one is used.
@@ -41,31 +41,12 @@ import torch
 
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.controller.resume_config import JOB_CONFIG_FILE, check_resume_config
 from torchtitan_rl.types import TrainingSample
 
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-JOB_CONFIG_FILE = "job_config.json"
-
-RESUME_MAY_CHANGE: tuple[str, ...] = (
-    "name", "output_dir",                  # where the run folder is (a moved folder resumes)
-    "loop.num_steps",                      # extend (or end early) a run: no schedule reads it
-    "loop.max_skipped_steps_in_row",       # when skipped steps fail the run, not what trains
-    "validation.every_steps",              # how often to validate; what is measured stays
-    "checkpoint.",                         # how often, how many kept, resume, export, this list
-    "metrics.", "recorder.",               # what is logged and recorded
-    "trainer.debug_batch_log",             # a debug log of the batches
-    "placement.",                          # which hosts run the parts
-    "generator.max_restarts",              # how often a lost generator is replaced
-    "verify_weight_push",                  # a read-back check of each push
-    "model.assets_dir", "warm_start.cache_dir",  # where caches live (keyed by what made them)
-)
-"""The keys a resumed run may change without ``checkpoint.allow_config_change``: an allow-list
-(a key ending in "." covers its section), so a key added later is checked until it is listed
-here. Each changes where the run writes, what it logs or how it survives failures, never the
-steps it trains: the lr warm-up counts optimizer steps from 0 and nothing decays towards
-``loop.num_steps``, so extending a run trains the steps the longer run would have."""
 _RUN_OUTPUTS = ("checkpoints", "tensorboard", "metrics.jsonl", "rollouts", "hf",
                 "reward_curve.png", "summary.json", "trained_samples.jsonl")
 
@@ -145,42 +126,6 @@ def write_controller_state(directory: pathlib.Path, state: ControllerState) -> N
         os.fsync(f.fileno())
     os.replace(tmp, directory / "controller.json")
     _fsync_dir(directory)
-
-
-def flat_config(config: Any) -> dict[str, Any]:
-    """A config tree as ``{dotted.key: value}`` (TOML-able values, None kept; a polymorphic field
-    gives its ``type`` key): what is saved with each checkpoint and compared on resume."""
-    from torchtitan_rl.config.convert import (
-        is_config_class, is_polymorphic, resolved_fields, to_data, type_path_of)
-
-    out: dict[str, Any] = {}
-
-    def walk(node: Any, prefix: str) -> None:
-        if is_polymorphic(type(node)) and getattr(type(node), "_owner", None) is not None:
-            out[f"{prefix}type"] = type_path_of(node)
-        for name, _, _ in resolved_fields(type(node)):
-            value = getattr(node, name)
-            if is_config_class(type(value)):
-                walk(value, f"{prefix}{name}.")
-            else:
-                out[f"{prefix}{name}"] = None if value is None else to_data(value)
-
-    walk(config, "")
-    return out
-
-
-def may_change_on_resume(key: str) -> bool:
-    return any(key == allowed or (allowed.endswith(".") and key.startswith(allowed))
-               for allowed in RESUME_MAY_CHANGE)
-
-
-def config_changes(saved: dict[str, Any],
-                   current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(key, saved value, current value) for each key whose value differs. A key only one side
-    has is not a change: the code that wrote the checkpoint had no such field (or has it no
-    more), and its default is what that code ran with."""
-    return [(key, saved[key], current[key]) for key in current
-            if key in saved and saved[key] != current[key]]
 
 
 def read_controller_state(directory: pathlib.Path) -> ControllerState:
@@ -341,34 +286,9 @@ class Checkpointer(Configurable):
         return None
 
     def _check_config(self, directory: pathlib.Path) -> None:
-        """Refuse (one ConfigError line) to resume ``directory`` with a config that trains
-        differently, unless ``allow_config_change``; log the changes that are let through."""
-        path = directory / JOB_CONFIG_FILE
-        if self.job_config is None:
-            return
-        if not path.is_file():
-            logger.warning("resume: %s has no %s (written before configs were saved): the "
-                           "config cannot be compared with the checkpoint's", directory,
-                           JOB_CONFIG_FILE)
-            return
-        try:
-            saved = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"checkpoint.resume: cannot read {path}: {e}") from None
-        changes = config_changes(saved, self.job_config)
-        refused = [c for c in changes if not may_change_on_resume(c[0])]
-        for key, old, new in changes:
-            if (key, old, new) not in refused:
-                logger.info("resume: %s changed %r -> %r", key, old, new)
-        if not refused:
-            return
-        listed = ", ".join(f"{key} ({old!r} -> {new!r})" for key, old, new in refused)
-        if not self.config.allow_config_change:
-            raise ConfigError(
-                f"checkpoint.resume: the config differs from the checkpoint's ({directory}) in "
-                f"{listed}, which change training: restore them, pass --checkpoint."
-                f"allow_config_change true to resume anyway, or choose another --name")
-        logger.warning("checkpoint.allow_config_change: resuming %s with %s", directory, listed)
+        if self.job_config is not None:
+            check_resume_config(directory, self.job_config,
+                                allow_change=self.config.allow_config_change)
 
     def _set_aside_newer_than(self, step: int) -> None:
         """Checkpoints newer than the one resumed from could not be used (see

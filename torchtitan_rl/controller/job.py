@@ -40,7 +40,8 @@ from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.config.convert import to_data
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.config.run_name import check_run_name
-from torchtitan_rl.controller.checkpointer import Checkpointer, ControllerState, flat_config
+from torchtitan_rl.controller.checkpointer import Checkpointer, ControllerState
+from torchtitan_rl.controller.resume_config import flat_config
 from torchtitan_rl.controller.loop import TrainingLoop
 from torchtitan_rl.controller.model_source import ModelSource
 from torchtitan_rl.controller.placement import Placement
