@@ -1,7 +1,7 @@
 """Run a tiny job in its own process (for tests that kill it): python -m tests.controller.run_tiny_job
 OUTPUT_DIR NAME NUM_STEPS [--resume] [--num-prompts N] [--staleness S] [--partial-rollout abort]
-[--num-generators N] [--max-restarts N] [--max-skipped-in-row N] [--placement KIND]
-[--generator-tp 1,2]. Staleness 0 (the default) is synchronous training."""
+[--num-generators N] [--max-restarts N] [--trainer-max-restarts N] [--checkpoint-every N]
+[--max-skipped-in-row N] [--placement KIND] [--generator-tp 1,2]. Staleness 0 (the default) is synchronous training."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument("--partial-rollout", choices=["none", "abort"], default="none")
     parser.add_argument("--num-generators", type=int, default=1)
     parser.add_argument("--max-restarts", type=int, default=3)
+    parser.add_argument("--trainer-max-restarts", type=int, default=3)
+    parser.add_argument("--checkpoint-every", type=int, default=1)
     parser.add_argument("--max-skipped-in-row", type=int, default=3)
     parser.add_argument("--placement", default="local")
     parser.add_argument("--generator-tp", default="", help="one TP degree per generator")
@@ -40,8 +42,9 @@ def run(argv: list[str] | None = None) -> None:
     config = dataclasses.replace(
         config,
         task=LetterTask.Config(num_prompts=args.num_prompts),
-        checkpoint=dataclasses.replace(config.checkpoint,
+        checkpoint=dataclasses.replace(config.checkpoint, every_steps=args.checkpoint_every,
                                        resume="must" if args.resume else "never"),
+        trainer=dataclasses.replace(config.trainer, max_restarts=args.trainer_max_restarts),
         num_generators=args.num_generators,
         placement=Placement.Config(kind=args.placement),
         generator_tensor_parallel_degrees=[int(tp) for tp in args.generator_tp.split(",") if tp],

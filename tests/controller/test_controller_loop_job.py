@@ -327,9 +327,39 @@ def test_non_finite_steps_never_reach_the_weights_and_too_many_in_a_row_fail_the
 
 
 @pytest.mark.slow
-def test_a_dead_trainer_fails_the_run_with_one_line_and_the_run_resumes(tmp_path):
+@pytest.mark.parametrize("checkpoint_every", [1, 0])
+def test_a_lost_trainer_is_restored_inside_the_run_and_each_step_is_logged_once(
+        tmp_path, checkpoint_every):
+    """SIGKILL of the trainer proc in the optimizer step of step 2: a new trainer mesh restores
+    the newest checkpoint (step 2; with no checkpoints, the run's start), the generators go back
+    to its version, and the run trains to the end: every step once in every log."""
+    proc = _run_tiny_job(str(tmp_path), "lost", "4", "--num-prompts", "8",
+                         "--checkpoint-every", str(checkpoint_every),
+                         fault="kill_trainer_after_steps:3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "lost"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    restored = 2 if checkpoint_every else 0
+    assert summary["steps"] == 4
+    assert summary["trainer_restarts"] == 1
+    assert summary["trainer_restored_from_steps"] == [restored]
+    assert "trainer lost:" in proc.stderr and "trainer restarted in" in proc.stderr
+    trained = [json.loads(line) for line in
+               (run_dir / "trained_samples.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in trained] == [0, 1, 2, 3]
+    # S = 0 trains the groups in order; the steps trained again took the same groups
+    assert [t["group_ids"] for t in trained] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "time/step_s" in r] == [0, 1, 2, 3]
+    validated = [r["step"] for r in records if "validation/reward_mean" in r]
+    assert validated[0] == 0 and validated[-1] == 4 and len(set(validated)) == len(validated)
+
+
+@pytest.mark.slow
+def test_a_dead_trainer_past_max_restarts_fails_the_run_with_one_line_and_the_run_resumes(
+        tmp_path):
     args = [str(tmp_path), "trainer", "4", "--num-prompts", "8"]
-    dead = _run_tiny_job(*args, fault="kill_trainer_after_steps:3")
+    dead = _run_tiny_job(*args, "--trainer-max-restarts", "0", fault="kill_trainer_after_steps:3")
     assert dead.returncode == 1, dead.stderr[-3000:]
     errors = [line for line in dead.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: actor mesh failure:"), errors

@@ -7,6 +7,8 @@
     push_weights(version): one generator at a time (the router keeps new sessions off it):
              trainer.push_weights(generator, version); with partial rollouts, abort its running
              requests
+    rewind(version): the trainer was restored to an older version (job.py): every generator
+             aborts its requests and takes that version as its next pull
     loss:    a handle's call fails with Monarch's supervision error, or Monarch's fault hook names
              the mesh (supervision.py) -> lost(i):
                router.take_out(i); the handle fails its outstanding calls with GeneratorLostError
@@ -24,6 +26,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
+
+from monarch.actor import ActorError
 
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.console import short_report
@@ -137,8 +141,11 @@ class GeneratorPool:
                 if generator.lost_reason is not None:
                     continue  # its replacement gets this version when it comes up
                 self.router.set_syncing(index, True)
+                trainer_called = False
                 try:
-                    metrics = await _until_lost(generator, self.trainer.push_weights(generator, version))
+                    metrics = await _until_lost(generator,
+                                                self.trainer.push_weights(generator, version))
+                    trainer_called = True
                     # once per generator host, by message or shared memory (pull_on_every_rank)
                     moved = metrics.get("weight_sync/bytes", 0.0)
                     bytes_moved += moved
@@ -152,7 +159,11 @@ class GeneratorPool:
                         # resumed (prompt + partial) on the new weights (partial_rollout.py).
                         num_aborted += await _until_lost(generator, generator.abort(None))
                 except Exception as e:
-                    if not (isinstance(e, GeneratorLostError) or is_supervision_error(e)):
+                    # The trainer's call failing by itself (not an error its endpoint raised) is
+                    # the trainer's death, not this generator's: the job restarts the trainer.
+                    trainer_died = not trainer_called and not isinstance(e, ActorError)
+                    if not (isinstance(e, GeneratorLostError)
+                            or (is_supervision_error(e) and not trainer_died)):
                         raise
                     generator.mark_lost(f"during the push of v{version}: {e}")
                     logger.warning("push v%d to %s failed: it was lost", version, generator.name)
@@ -164,6 +175,25 @@ class GeneratorPool:
         metrics["weight_sync/generators_by_shared_memory"] = float(sum(
             h.weight_transport == "shared_memory" for h in self.handles))
         return metrics
+
+    async def rewind(self, version: int) -> None:
+        """The trainer was restored to ``version`` (an older policy than the generators serve):
+        every serving generator aborts what it runs (the run's rollouts were cancelled) and takes
+        ``version`` as its next pull; one that cannot is replaced (it gets ``version`` then).
+        ``push_weights(version)`` comes next."""
+        async with self._push_lock:
+            self.policy_version = version
+            for generator in self.handles:
+                if generator.lost_reason is not None:
+                    continue
+                try:
+                    await _until_lost(generator, generator.abort(None))
+                    await _until_lost(generator, generator.rewind_policy_version(version))
+                except Exception as e:
+                    if not isinstance(e, GeneratorLostError):
+                        generator.mark_lost(f"rewinding to v{version}: {short_report(str(e))}")
+                    logger.warning("%s could not go back to v%d: it is replaced",
+                                   generator.name, version)
 
     # ---- loss and replacement -------------------------------------------------------------------
     def index_of_mesh(self, mesh_name: str) -> int | None:

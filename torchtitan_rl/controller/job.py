@@ -23,6 +23,8 @@
         build_parts(plan) -> RunParts             spawn.py: meshes and every part
         resume: restore checkpoint, push its weights
         TrainingLoop.run()                        loop.py: validate, steps, validate
+            a trainer proc dies -> a new trainer mesh, the newest checkpoint restored into it,
+            the generators rewound to its version, TrainingLoop.run() again (max_restarts)
         HF export, reward curve PNG -> summary ``reward_before=... reward_after=... steps=...``
 """
 
@@ -40,7 +42,12 @@ from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.config.convert import to_data
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.config.run_name import check_run_name
-from torchtitan_rl.controller.checkpointer import Checkpointer, ControllerState
+from torchtitan_rl.console import CONSOLE, short_report
+from torchtitan_rl.controller.checkpointer import (
+    Checkpointer,
+    ControllerState,
+    latest_complete_checkpoint,
+)
 from torchtitan_rl.controller.resume_config import flat_config
 from torchtitan_rl.controller.loop import TrainingLoop
 from torchtitan_rl.controller.model_source import ModelSource
@@ -48,8 +55,12 @@ from torchtitan_rl.controller.placement import Placement
 from torchtitan_rl.controller.parts import RunParts
 from torchtitan_rl.controller.resolved_job import ResolvedJob
 from torchtitan_rl.controller.router import GeneratorRouter
-from torchtitan_rl.controller.spawn import SpawnTrainer, build_parts
-from torchtitan_rl.controller.supervision import MeshFailureWatch, RunFailedError
+from torchtitan_rl.controller.spawn import SpawnTrainer, build_parts, restart_trainer
+from torchtitan_rl.controller.supervision import (
+    MeshFailureWatch,
+    RunFailedError,
+    TrainerLostError,
+)
 from torchtitan_rl.controller.validation import Validator
 from torchtitan_rl.controller.warm_start import WarmStart
 from torchtitan_rl.generator import Generator
@@ -60,7 +71,7 @@ from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.rollout.token_env import chat_template_kwargs
 from torchtitan_rl.task import SupervisedTask, TaskConfig
 from torchtitan_rl.trainer.batcher import Batcher
-from torchtitan_rl.trainer.trainer import PolicyTrainer
+from torchtitan_rl.trainer.trainer import MonarchTrainerClient, PolicyTrainer
 from torchtitan_rl.types import Sampling
 
 logger = logging.getLogger(__name__)
@@ -208,14 +219,34 @@ class RLJob(Configurable):
         logger.info("run folder: %s", run_dir.resolve())
         _make_model(plan)
         _dump_tasks_on_sigusr1()
+        restored_from: list[int] = []
+        """The step each in-run trainer restart went back to (0: the run's start)."""
         with MeshFailureWatch() as watch:
             parts = await build_parts(
                 plan, checkpointer=checkpointer, spawn_trainer=spawn_trainer,
                 on_fatal=watch.fail, resume_step=state.step if resume_dir is not None else None)
             watch.attach(parts.generators)
+            if isinstance(parts.trainer, MonarchTrainerClient) and plan.trainer.max_restarts:
+                watch.watch_trainer(parts.trainer.mesh_name)  # torchrun owns its ranks: not here
             try:
                 try:
-                    await watch.run_until_failure(self._train(plan, parts, resume_dir, state))
+                    while True:
+                        try:
+                            await watch.run_until_failure(
+                                self._train(plan, parts, resume_dir, state))
+                            break
+                        except Exception as e:
+                            if not await _lost_the_trainer(watch, e):
+                                raise
+                            if len(restored_from) == plan.trainer.max_restarts:
+                                raise RunFailedError(
+                                    f"the trainer was lost {len(restored_from) + 1} times "
+                                    f"(trainer.max_restarts={plan.trainer.max_restarts}): "
+                                    f"{short_report(watch.trainer_lost or '')}; a rerun "
+                                    f"resumes from the newest checkpoint") from e
+                        resume_dir, state = await _restart_trainer(
+                            plan, parts, watch, restart=len(restored_from) + 1)
+                        restored_from.append(state.step)
                 finally:
                     await parts.close()
             except RunFailedError as e:
@@ -239,6 +270,8 @@ class RLJob(Configurable):
             "wall_s": round(time.perf_counter() - wall_start, 1),
             "run_dir": plan.run_dir,
             **resumed,
+            "trainer_restarts": len(restored_from),
+            "trainer_restored_from_steps": restored_from,
         }
         (pathlib.Path(plan.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
         logger.info("run folder: %s", pathlib.Path(plan.run_dir).resolve())
@@ -263,6 +296,43 @@ class RLJob(Configurable):
         if plan.checkpoint.export_hf:
             await parts.trainer.export_hf(run_dir / "hf")
         _plot(state, run_dir)
+
+
+async def _lost_the_trainer(watch: MeshFailureWatch, error: Exception) -> bool:
+    """Whether ``error`` ended the run's work because the watched trainer mesh died (a call to
+    it can fail before Monarch's report names the mesh: wait for the report then)."""
+    if isinstance(error, TrainerLostError):
+        return True
+    if watch.trainer_mesh is None or not is_supervision_error(error):
+        return False
+    await watch.wait_for_failure(timeout_s=SUPERVISION_REPORT_WAIT_S)
+    return watch.trainer_lost is not None and not watch.failures
+
+
+async def _restart_trainer(plan: ResolvedJob, parts: RunParts, watch: MeshFailureWatch, *,
+                           restart: int) -> tuple[pathlib.Path | None, ControllerState]:
+    """A new trainer mesh for the lost one, and what the run continues from: the newest
+    complete checkpoint (or the run's start). The step logs past it are dropped (those steps
+    are trained again, and each is logged once); the generators go back to its version."""
+    start = time.perf_counter()
+    logger.warning("trainer lost: %s; restarting it (%d of trainer.max_restarts=%d)",
+                   short_report(watch.trainer_lost or ""), restart, plan.trainer.max_restarts,
+                   extra=CONSOLE)
+    await restart_trainer(plan, parts, restart)
+    watch.watch_trainer(parts.trainer.mesh_name)  # type: ignore[attr-defined]
+    found = latest_complete_checkpoint(parts.checkpointer.root)
+    resume_dir, state = found if found is not None else (
+        None, ControllerState(step=0, next_group_id=0))
+    parts.checkpointer.forget_steps_from(state.step)
+    parts.metrics.close()
+    parts.metrics = plan.metrics.build(run_dir=pathlib.Path(plan.run_dir), purge_step=state.step)
+    await parts.generators.rewind(state.step)
+    if resume_dir is None:  # the new trainer holds the run's first weights: give them back
+        await parts.generators.push_weights(0)
+    logger.warning("trainer restarted in %.1f s; the run goes on from %s", 
+                   time.perf_counter() - start,
+                   f"checkpoint step {state.step}" if resume_dir else "its start", extra=CONSOLE)
+    return resume_dir, state
 
 
 def _dump_tasks_on_sigusr1() -> None:

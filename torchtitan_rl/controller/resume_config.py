@@ -26,6 +26,7 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "trainer.debug_batch_log",             # a debug log of the batches
     "placement.",                          # which hosts run the parts
     "generator.max_restarts",              # how often a lost generator is replaced
+    "trainer.max_restarts",                # how often a lost trainer is restarted
     "verify_weight_push",                  # a read-back check of each push
     "model.assets_dir", "warm_start.cache_dir",  # where caches live (keyed by what made them)
 )

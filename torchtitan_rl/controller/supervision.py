@@ -1,4 +1,5 @@
-"""Actor procs that die: a lost generator is replaced, anything else fails the run with one line.
+"""Actor procs that die: a lost generator is replaced, a lost trainer is restarted by the job
+(job.py, from the newest checkpoint), anything else fails the run with one line.
 
     job: with MeshFailureWatch() as watch: build_parts(on_fatal=watch.fail) -> watch.attach(pool)
          -> await watch.run_until_failure(the run)
@@ -7,9 +8,12 @@
            a generator's mesh            -> pool.mark_lost(i): replaced, the run goes on
            a replaced generator's mesh   -> ignored (late events of a mesh already gone; a
                                             replacement that fails to spawn fails the spawn)
+           the trainer's mesh (watched)  -> the run is cancelled -> TrainerLostError: the job
+                                            restarts the trainer (trainer.max_restarts)
+           a replaced trainer's mesh     -> ignored
            Monarch's own meshes on a proc -> ignored (its logger, torch elastic set-up: they die
                                             with the proc, whose actor mesh reports the death)
-           anything else (the trainer)   -> the run is cancelled -> RunFailedError(summary)
+           anything else                 -> the run is cancelled -> RunFailedError(summary)
 
 Monarch's default hook exits the controller with a KeyboardInterrupt (no summary, no cleanup of
 the other meshes). Waiting for the dead actor's calls to fail is not enough either: in the loop
@@ -35,8 +39,13 @@ class RunFailedError(RuntimeError):
     """The run cannot go on (an actor proc died, a rollout group failed)."""
 
 
-_COMPANION_MESHES = ("logger-", "_SPMDActor")
-"""Meshes Monarch spawns beside ours on the same procs (logging; setup_torch_elastic_env)."""
+class TrainerLostError(RuntimeError):
+    """A proc of the watched trainer mesh died: the job may restart the trainer."""
+
+
+_COMPANION_MESHES = ("logger-", "spmdactor-")
+"""Meshes Monarch spawns beside ours on the same procs (logging; setup_torch_elastic_env's
+``_SPMDActor``, which Monarch names ``spmdactor-<id>``)."""
 
 
 class ReplacesGenerators(Protocol):
@@ -56,6 +65,12 @@ class MeshFailureWatch:
         self.generators: ReplacesGenerators | None = None
         self.cancel_grace_s = cancel_grace_s
         """How long a cancelled run may take to unwind before RunFailedError is raised anyway."""
+        self.trainer_mesh: str | None = None
+        """The spawn name of the trainer mesh whose loss raises TrainerLostError (None: a lost
+        trainer fails the run)."""
+        self.trainer_lost: str | None = None
+        """The report of the watched trainer mesh's loss, until ``watch_trainer`` is called."""
+        self._retired_trainer_meshes: set[str] = set()
         self._previous_hook: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._context: contextvars.Context | None = None
@@ -81,6 +96,16 @@ class MeshFailureWatch:
         """From now on a generator's failure replaces it instead of failing the run."""
         self.generators = generators
 
+    def watch_trainer(self, mesh_name: str | None) -> None:
+        """From now on the loss of trainer mesh ``mesh_name`` (its spawn name) raises
+        TrainerLostError; events of the meshes watched before are ignored."""
+        if self.trainer_mesh is not None:
+            self._retired_trainer_meshes.add(self.trainer_mesh)
+        self.trainer_mesh = mesh_name
+        self.trainer_lost = None
+        if not self.failures:
+            self._failed.clear()
+
     def fail(self, message: str) -> None:
         """Fail the run (from the event loop's thread), e.g. a generator past max_restarts."""
         logger.error("actor mesh failure: %s", message)
@@ -95,9 +120,17 @@ class MeshFailureWatch:
 
     def _dispatch(self, mesh_name: str, report: str) -> None:
         pool = self.generators
+        spawn_name = mesh_name.rsplit("-", 1)[0]  # Monarch names a mesh <spawn name>-<id>
         if mesh_name.startswith(_COMPANION_MESHES) or (pool is not None
-                                                        and pool.ignores(mesh_name)):
+                                                        and pool.ignores(mesh_name)) \
+                or spawn_name in self._retired_trainer_meshes:
             logger.info("actor mesh failure (no action): %s", report)
+            return
+        if spawn_name == self.trainer_mesh:
+            if self.trainer_lost is None:
+                logger.warning("trainer lost: %s", report)
+                self.trainer_lost = report
+            self._failed.set()
             return
         index = pool.index_of_mesh(mesh_name) if pool is not None else None
         if index is not None:
@@ -122,6 +155,8 @@ class MeshFailureWatch:
                                    self.cancel_grace_s, task_stacks())
         if task.done() and not task.cancelled():
             return task.result()
+        if self.trainer_lost is not None and not self.failures:
+            raise TrainerLostError(self.trainer_lost)
         raise RunFailedError(self.summary())
 
     async def wait_for_failure(self, timeout_s: float) -> None:

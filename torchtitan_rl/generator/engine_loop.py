@@ -203,6 +203,19 @@ class EngineLoop:
         load_s = await asyncio.shield(done)
         return {"convert_s": convert_s, "load_s": load_s}
 
+    def rewind(self, policy_version: int) -> None:
+        """The run went back to an older policy (its trainer was restored from a checkpoint):
+        the loaded weights count as older than ``policy_version``, so the next pull may be that
+        version. Call on every rank with no request in flight and no pull pending (else this
+        raises, and the caller replaces the generator)."""
+        self._check_running("rewind")
+        if len(self._pulls) or self._inbox.pending_pulls or len(self._pending):
+            raise RuntimeError(f"rewind to version {policy_version}: {len(self._pending)} "
+                               f"requests in flight, {len(self._pulls)} pulls pending")
+        logger.info("rank %d: policy version %d -> %d (the trainer was restored)", self.rank,
+                    self.policy_version, policy_version)
+        self.policy_version = policy_version - 1
+
     def weights_staged(self, policy_version: int, num_bytes: int) -> None:
         """A streamed push of ``policy_version`` has staged its first ``num_bytes`` bytes."""
         if policy_version > self.policy_version and self._stopped_error is None:

@@ -234,6 +234,12 @@ class Generator(Actor, Configurable):
             self._host_stager.close()
 
     @concurrent_endpoint
+    async def rewind_policy_version(self, policy_version: int) -> None:
+        """Every rank: the run went back to ``policy_version`` (its trainer was restored from a
+        checkpoint); the next pull may be that version. Abort every request first (``abort``)."""
+        self._loop().rewind(policy_version)
+
+    @concurrent_endpoint
     async def get_policy_version(self) -> int:
         """The policy version of the weights this rank serves (the last pull applied)."""
         return self._loop().policy_version

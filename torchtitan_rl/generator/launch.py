@@ -172,6 +172,11 @@ class GeneratorHandle:
         self._send_unsent()
         return self.rank0.abort.call_one(request_ids)
 
+    async def rewind_policy_version(self, version: int) -> None:
+        """Every rank: the next pull may be ``version``, older than the loaded one (the trainer
+        was restored); call after ``abort(None)``."""
+        await self.actors.rewind_policy_version.call(version)
+
     def get_policy_version(self) -> Future[int]:
         """Rank 0's policy version (the last pull applied)."""
         self._send_unsent()

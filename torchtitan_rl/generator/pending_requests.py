@@ -143,6 +143,10 @@ class PendingPulls:
     def finish(self, version: int, apply_s: float) -> None:
         resolve_future(self._pulls.pop(version).done, apply_s)
 
+    def __len__(self) -> int:
+        """Pulls received or announced and not applied yet."""
+        return len(self._pulls)
+
     def fail_all(self, error: BaseException) -> None:
         pulls, self._pulls = self._pulls, {}
         for pull in pulls.values():

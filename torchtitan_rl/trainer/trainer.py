@@ -71,10 +71,25 @@ class PolicyTrainer(Actor, Configurable):
         weight_sync/shared_memory.py); ``message`` pickles the tensors into the Monarch message
         (any host); ``auto`` picks shared memory for a generator on the trainer's machine and
         the message elsewhere (decided per generator at spawn, logged once)."""
+        max_restarts: int = 3
+        """In a job: how often a lost trainer (a rank's process died) is restarted inside the
+        run: a new trainer mesh on the same hosts, restored from the newest complete checkpoint
+        (or the run's start), the steps after it trained again. Once more fails the run (a rerun
+        resumes). 0: a lost trainer fails the run. A torchrun launch never restarts (torchrun
+        owns those processes)."""
 
-    def __init__(self, config: Config, *, model_dir: str | None = None) -> None:
+        def __post_init__(self) -> None:
+            PolicyTrainerCore.Config.__post_init__(self)
+            if self.max_restarts < 0:
+                raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+
+    def __init__(self, config: Config, *, model_dir: str | None = None,
+                 restart: int = 0) -> None:
+        """``restart``: how many trainers of this run were lost before this one (fault
+        injection kills only the first)."""
         configure_process_logging()  # this proc's log lines to the run's log file
         self.core = PolicyTrainerCore(config, model_dir=model_dir)
+        self.restart = restart
         self.weight_transport = config.weight_transport
         self.pusher = WeightPusher(model_config=self.core.model_config)
 
@@ -100,7 +115,8 @@ class PolicyTrainer(Actor, Configurable):
     @concurrent_endpoint
     async def optim_step(self) -> dict[str, float]:
         metrics = self.core.optim_step()
-        maybe_kill("kill_trainer_after_steps", self.core.policy_version)
+        if self.restart == 0:  # a restored trainer trains the killed step again: once is enough
+            maybe_kill("kill_trainer_after_steps", self.core.policy_version)
         return metrics
 
     @concurrent_endpoint
@@ -180,6 +196,7 @@ async def spawn_policy_trainer(
     *,
     model_dir: str | os.PathLike | None,
     name: str = "policy_trainer",
+    restart: int = 0,
 ) -> Any:
     """Spawn one PolicyTrainer per proc of ``procs`` (a Monarch ProcMesh) and return the actor
     mesh; sets the torch elastic env (RANK, WORLD_SIZE, MASTER_*) on the procs first."""
@@ -187,7 +204,7 @@ async def spawn_policy_trainer(
 
     await setup_torch_elastic_env_async(procs)
     model_dir_arg = str(model_dir) if model_dir is not None else None
-    return procs.spawn(name, PolicyTrainer, config, model_dir=model_dir_arg)
+    return procs.spawn(name, PolicyTrainer, config, model_dir=model_dir_arg, restart=restart)
 
 
 # ---- the controller's side ----------------------------------------------------------------------
@@ -250,19 +267,26 @@ class MonarchTrainerClient(TrainerClient):
     """A PolicyTrainer actor mesh (one actor per trainer proc); each call goes to every rank and
     returns rank 0's value."""
 
-    def __init__(self, *, procs: Any, actors: Any, **kwargs: Any) -> None:
+    def __init__(self, *, procs: Any, actors: Any, mesh_name: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.procs = procs
         self.actors = actors
+        self.mesh_name = mesh_name
+        """The actor mesh's spawn name (Monarch's failure reports name ``<mesh_name>-<id>``)."""
 
     @classmethod
     async def spawn(cls, procs: Any, config: Any, *, model_dir: pathlib.Path,
-                    batcher: Batcher.Config, verify_push: bool) -> MonarchTrainerClient:
-        actors = await spawn_policy_trainer(procs, config, model_dir=model_dir)
+                    batcher: Batcher.Config, verify_push: bool,
+                    restart: int = 0) -> MonarchTrainerClient:
+        """``restart`` > 0: the trainer that replaces a lost one (a new mesh name, so late
+        events of the lost mesh cannot match it)."""
+        name = f"policy_trainer_r{restart}" if restart else "policy_trainer"
+        actors = await spawn_policy_trainer(procs, config, model_dir=model_dir, name=name,
+                                            restart=restart)
         dp_size = int(rank0_value(await actors.get_dp_size.call()))
         machine = str(rank0_value(await actors.get_machine_id.call()))
-        return cls(procs=procs, actors=actors, dp_size=dp_size, machine_id=machine,
-                   batcher=batcher, verify_push=verify_push)
+        return cls(procs=procs, actors=actors, mesh_name=name, dp_size=dp_size,
+                   machine_id=machine, batcher=batcher, verify_push=verify_push)
 
     async def forward_backward(self, batch: TrainingBatch) -> dict[str, float]:
         return rank0_value(await self.actors.forward_backward.call(batch))
