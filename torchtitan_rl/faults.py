@@ -7,7 +7,8 @@ time: no cleanup, no checkpoint, the same as a node dying. Points:
 - ``kill_controller_after_checkpoints``: the controller, right after its N-th checkpoint is
   written (so a resume from step N is certain).
 - ``kill_generator_after_requests``: a generator proc, when its N-th generate request arrives.
-- ``kill_trainer_after_steps``: every trainer proc, when its N-th optimizer step is done.
+- ``kill_trainer_after_steps``: every proc of the run's first trainer, when its N-th optimizer
+  step is done (a restarted trainer trains that step again and is spared).
 
 ``TORCHTITAN_RL_FAULT=nan_loss_at_steps:1,3`` makes the trainer's loss NaN at those steps (policy
 versions before the step), as a numerically broken batch would.

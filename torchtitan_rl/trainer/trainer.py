@@ -104,6 +104,11 @@ class PolicyTrainer(Actor, Configurable):
         return machine_id()
 
     @concurrent_endpoint
+    async def get_pid(self) -> int:
+        """This rank's process id (logged at start: fault tests and bench/chaos.py kill it)."""
+        return os.getpid()
+
+    @concurrent_endpoint
     async def get_policy_version(self) -> int:
         """Optimizer steps taken: the policy version of the current weights."""
         return self.core.policy_version
@@ -285,6 +290,10 @@ class MonarchTrainerClient(TrainerClient):
                                             restart=restart)
         dp_size = int(rank0_value(await actors.get_dp_size.call()))
         machine = str(rank0_value(await actors.get_machine_id.call()))
+        pids = [pid for _, pid in sorted((point.rank, pid) for point, pid in
+                                         (await actors.get_pid.call()).items())]
+        logger.info("trainer %s started (pids %s on %s)", name, ",".join(map(str, pids)),
+                    machine)
         return cls(procs=procs, actors=actors, mesh_name=name, dp_size=dp_size,
                    machine_id=machine, batcher=batcher, verify_push=verify_push)
 
