@@ -210,8 +210,9 @@ def test_a_rejection_names_the_workers_monarch_names():
     error = RuntimeError("attach failed: config push failed during attach on 1 host(s):\n"
                          "  - tls:10.0.0.2:7: reply timed out after MESH_ATTACH_CONFIG_TIMEOUT")
     line = attach_tls.rejected(error, c, c.workers)
-    assert line.startswith("placement.workers[1] tls://10.0.0.2:7: no TLS session with the "
-                           "worker after 5 s (placement.host_timeout_s)")
+    assert line == ("placement.workers[1] tls://10.0.0.2:7: no TLS session after 5 s: wrong CA "
+                    "(the worker's --tls-dir is not placement.tls's job), its certificate omits "
+                    "10.0.0.2, or no TLS worker there")
     assert "10.0.0.1" not in line and "\n" not in line
     assert attach_tls.rejected(None, c, c.workers[:1]).startswith(
         "placement.workers[0] tls://10.0.0.1:7:")
@@ -266,8 +267,12 @@ def restored_monarch_env():
     yield
     os.environ.clear()
     os.environ.update(saved)
-    from monarch._rust_bindings.monarch_hyperactor.config import reload_config_from_env
+    from monarch._rust_bindings.monarch_hyperactor.config import (
+        reload_config_from_env,
+        reset_config_to_defaults,
+    )
 
+    reset_config_to_defaults()  # a reload alone keeps the values of variables now unset
     reload_config_from_env()
 
 
@@ -332,6 +337,6 @@ def test_a_client_without_the_job_certificates_is_refused_and_spawns_nothing(
     assert len(errors) == 1, proc.stderr[-3000:]
     assert "HostUnreachableError" in errors[0] and "placement" in errors[0], errors[0]
     if client == "another job's certificates":
-        assert f"placement.workers[0] {address}: no TLS session with the worker after 5 s" \
-            in errors[0], errors[0]
+        assert f"placement.workers[0] {address}: no TLS session after 5 s: wrong CA" \
+            in errors[0] and "or no TLS worker there" in errors[0], errors[0]
     assert after == before  # nothing was spawned on the worker

@@ -112,7 +112,7 @@ def rejected(error: BaseException | None, c: Any, addresses: list[str]) -> str:
     failed = [a for a in addresses if a in named] or addresses
     keys = ", ".join(f"placement.workers[{c.workers.index(a)}] {a}" for a in failed)
     hosts = ", ".join(sorted({urllib.parse.urlsplit(a).hostname or a for a in failed}))
-    return (f"{keys}: no TLS session with the worker after {c.host_timeout_s:g} s "
-            f"(placement.host_timeout_s): its --tls-dir is not this job's certificates (another "
-            f"{CA_CERT} than placement.tls={c.tls!r}), its certificate does not name {hosts} "
-            f"(remake it with --hosts), or no TLS worker serves there")
+    # Short: the console's error line is ~300 characters with the log file's path.
+    return (f"{keys}: no TLS session after {c.host_timeout_s:g} s: wrong CA (the worker's "
+            f"--tls-dir is not placement.tls's job), its certificate omits {hosts}, or no TLS "
+            f"worker there")
