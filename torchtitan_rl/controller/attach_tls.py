@@ -113,6 +113,5 @@ def rejected(error: BaseException | None, c: Any, addresses: list[str]) -> str:
     keys = ", ".join(f"placement.workers[{c.workers.index(a)}] {a}" for a in failed)
     hosts = ", ".join(sorted({urllib.parse.urlsplit(a).hostname or a for a in failed}))
     # Short: the console's error line is ~300 characters with the log file's path.
-    return (f"{keys}: no TLS session after {c.host_timeout_s:g} s: wrong CA (the worker's "
-            f"--tls-dir is not placement.tls's job), its certificate omits {hosts}, or no TLS "
-            f"worker there")
+    return (f"{keys}: no TLS session after {c.host_timeout_s:g} s: wrong CA (not placement.tls's "
+            f"job), worker certificate omits {hosts}, or no TLS worker there")
