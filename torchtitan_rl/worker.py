@@ -11,8 +11,8 @@ start the run anywhere that reaches them. With mutual TLS (any network you do no
 A TLS worker listens at exactly the address the controller dials (Monarch 0.6.0 has no
 ``ADVERTISED@BIND`` alias and no 0.0.0.0 for tls://); a plain one may use
 ``tcp://ADVERTISED:PORT@tcp://BIND:PORT`` (listen on BIND, tell the controller ADVERTISED).
-``--tls-dir`` holds ca.crt, worker.crt and worker.key (torchtitan_rl/tls.py): the worker accepts only clients with a
-certificate of that CA, and the procs it spawns inherit the settings. Without it the worker
+``--tls-dir`` holds ca.crt, worker.crt and worker.key (torchtitan_rl/tls.py): the worker accepts
+only clients with a certificate of that CA, and the procs it spawns inherit the settings. Without it the worker
 serves plain ``tcp://`` and accepts any connection (``trust_all_connections``): whoever reaches
 the port can run code as this user, so trusted networks only. Either way a local user of this
 machine can reach the worker through its unix socket: give it a machine, container or namespace

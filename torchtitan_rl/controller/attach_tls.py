@@ -90,10 +90,11 @@ def warn_plain(c: Any) -> None:
 
 
 def use_client_tls(c: Any) -> None:
-    """This process dials with the client certificate of ``placement.tls`` (the procs of a local
-    placement would inherit it too: harmless), and a worker that does not accept it fails the
-    attach after ``host_timeout_s`` instead of Monarch's default minute."""
-    os.environ[ATTACH_TIMEOUT_ENV] = f"{max(1, round(c.host_timeout_s * 1000))}ms"
+    """This process dials with the client certificate of ``placement.tls``, and a worker that does
+    not accept it fails the attach within ``host_timeout_s`` instead of Monarch's default
+    minute."""
+    # 0.9: Monarch's error (it names the host) ends the wait before placement's own deadline.
+    os.environ[ATTACH_TIMEOUT_ENV] = f"{max(1, round(c.host_timeout_s * 900))}ms"
     if c.tls:
         apply_monarch_tls(tls_files(c.tls, "client", key="placement.tls"))
     else:

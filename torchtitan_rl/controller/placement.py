@@ -270,11 +270,14 @@ async def _attach(c: Placement.Config) -> RunHosts:
         await hosts.wait_up(f"placement.workers {c.workers}", c.host_timeout_s)
         return hosts
     # A worker that rejects the client (or a client that rejects the worker) is silent until
-    # Monarch's attach timeout (host_timeout_s, set above): name the workers and the causes.
+    # Monarch's attach timeout (set above, just under host_timeout_s, so that its error, which
+    # names the host, comes first): name the workers and the causes.
+    deadline = asyncio.get_running_loop().time() + c.host_timeout_s
     for mesh, addresses in ((trainer, c.workers[:c.trainer_hosts]),
                             (generators, c.workers[c.trainer_hosts:])):
         try:
-            await asyncio.wait_for(mesh.initialized, c.host_timeout_s)
+            await asyncio.wait_for(mesh.initialized,
+                                   max(0.0, deadline - asyncio.get_running_loop().time()))
         except Exception as e:
             error = None if isinstance(e, asyncio.TimeoutError) else e
             raise HostUnreachableError(attach_tls.rejected(error, c, addresses)) from None
@@ -312,10 +315,11 @@ async def _probe(key: str, address: str, timeout_s: float) -> None:
             if isinstance(e, ConnectionRefusedError) and loop.time() + 0.2 < deadline:
                 await asyncio.sleep(0.2)  # polling a socket that is not open yet
                 continue
+            tls_dir = " --tls-dir DIR" if parsed.scheme == "tls" else ""
             raise HostUnreachableError(
                 f"{key} {address}: no worker answers there after {timeout_s:g} s "
                 f"({type(e).__name__}: {e}); start one with python -m torchtitan_rl.worker "
-                f"--address {address}{' --tls-dir DIR' if parsed.scheme == 'tls' else ''}") from None
+                f"--address {address}{tls_dir}") from None
         writer.close()
         return
 
