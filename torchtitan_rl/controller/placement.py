@@ -6,7 +6,8 @@
         process:     monarch.job.ProcessJob({"trainer": T, "generators": G}): one worker process
                      per simulated host, over Monarch's real transport (a laptop, the tests)
         attach:      attach_to_workers(workers) for workers already started with
-                     ``python -m torchtitan_rl.worker --address tcp://0.0.0.0:PORT``
+                     ``python -m torchtitan_rl.worker --address tcp://0.0.0.0:PORT``; with
+                     ``tls`` set, tls://HOST:PORT with mutual TLS (attach_tls.py)
         slurm:       monarch.job.SlurmJob(...): sbatch, one Monarch worker per node
         kubernetes:  monarch.job.kubernetes.KubernetesJob(namespace): pre-provisioned worker pods
                      found by label selector (MonarchMesh operator or your own StatefulSets)
@@ -32,6 +33,7 @@ from typing import Any, Literal
 
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.controller import attach_tls
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +107,11 @@ class Placement(Configurable):
         generator hosts are ceil(num_generators / generators_per_host)."""
         workers: list[str] = dataclasses.field(default_factory=list)
         """attach: worker addresses, the trainer's hosts first, then the generator hosts, e.g.
-        ["tcp://node0:26600", "tcp://node1:26600"]."""
+        ["tcp://node0:26600", "tcp://node1:26600"] (tls://HOST:PORT with `tls`)."""
+        tls: str = ""
+        """attach: the job's certificate folder from `python -m torchtitan_rl.tls` (its ca.crt,
+        client.crt, client.key): the workers are dialled at tls:// addresses with mutual TLS and
+        accept only this job's certificates ("" = plain tcp: trusted networks only)."""
         host_timeout_s: float = 120.0
         """How long to wait for every host to be up (attach, process; slurm/kubernetes: the
         allocation too). A host not up by then fails the run, naming it."""
@@ -145,6 +151,7 @@ class Placement(Configurable):
                         f"generators ({self.generators_per_host} per host)")
                 for i, address in enumerate(self.workers):
                     _check_address(f"placement.workers[{i}]", address)
+            attach_tls.check_addresses(self)
 
         def monarch_job(self, num_generators: int) -> Any:
             """The Monarch job for kinds process, slurm and kubernetes (not applied yet)."""
@@ -182,6 +189,7 @@ class Placement(Configurable):
     async def open(self, num_generators: int) -> RunHosts:
         """The run's host meshes, every host up (bounded by ``host_timeout_s``)."""
         c = self.config
+        attach_tls.warn_plain(c)
         if c.kind == "local":
             from monarch.actor import this_host
 
@@ -251,35 +259,50 @@ async def _attach(c: Placement.Config) -> RunHosts:
     # connect first names the address at once.
     for i, address in enumerate(c.workers):
         await _probe(f"placement.workers[{i}]", address, c.host_timeout_s)
+    attach_tls.use_client_tls(c)
     trainer = attach_to_workers(ca=TRUST_ALL, workers=c.workers[:c.trainer_hosts],
                                 name="trainer")
     generators = attach_to_workers(ca=TRUST_ALL, workers=c.workers[c.trainer_hosts:],
                                    name="generators")
     hosts = RunHosts(trainer=trainer, generators=generators,
                      generators_per_host=c.generators_per_host)
-    await hosts.wait_up(f"placement.workers {c.workers}", c.host_timeout_s)
+    if not c.tls:
+        await hosts.wait_up(f"placement.workers {c.workers}", c.host_timeout_s)
+        return hosts
+    # A worker that rejects the client (or a client that rejects the worker) is silent until
+    # Monarch's attach timeout (set above, just under host_timeout_s, so that its error, which
+    # names the host, comes first): name the workers and the causes.
+    deadline = asyncio.get_running_loop().time() + c.host_timeout_s
+    for mesh, addresses in ((trainer, c.workers[:c.trainer_hosts]),
+                            (generators, c.workers[c.trainer_hosts:])):
+        try:
+            await asyncio.wait_for(mesh.initialized,
+                                   max(0.0, deadline - asyncio.get_running_loop().time()))
+        except Exception as e:
+            error = None if isinstance(e, asyncio.TimeoutError) else e
+            raise HostUnreachableError(attach_tls.rejected(error, c, addresses)) from None
     return hosts
 
 
 def _check_address(key: str, address: str) -> None:
     parsed = urllib.parse.urlsplit(address)
-    if parsed.scheme == "tcp":
+    if parsed.scheme in ("tcp", "tls"):
         try:
             port = parsed.port
         except ValueError:
             port = None
         if not parsed.hostname or port is None:
-            raise ConfigError(f"{key}={address!r}: write tcp://HOST:PORT")
+            raise ConfigError(f"{key}={address!r}: write {parsed.scheme}://HOST:PORT")
     elif parsed.scheme not in ("ipc", "metatls"):
-        raise ConfigError(f"{key}={address!r}: a worker address is tcp://HOST:PORT (or "
-                          "ipc://PATH, metatls://HOST:PORT)")
+        raise ConfigError(f"{key}={address!r}: a worker address is tcp://HOST:PORT, "
+                          "tls://HOST:PORT (with placement.tls), ipc://PATH or metatls://HOST:PORT")
 
 
 async def _probe(key: str, address: str, timeout_s: float) -> None:
     """A TCP connect to the worker; refused connections are retried for ``timeout_s`` (a worker
     started just before the run may not listen yet)."""
     parsed = urllib.parse.urlsplit(address)
-    if parsed.scheme not in ("tcp", "metatls"):
+    if parsed.scheme not in ("tcp", "tls", "metatls"):
         return
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
@@ -292,10 +315,11 @@ async def _probe(key: str, address: str, timeout_s: float) -> None:
             if isinstance(e, ConnectionRefusedError) and loop.time() + 0.2 < deadline:
                 await asyncio.sleep(0.2)  # polling a socket that is not open yet
                 continue
+            tls_dir = " --tls-dir DIR" if parsed.scheme == "tls" else ""
             raise HostUnreachableError(
                 f"{key} {address}: no worker answers there after {timeout_s:g} s "
                 f"({type(e).__name__}: {e}); start one with python -m torchtitan_rl.worker "
-                f"--address {address}") from None
+                f"--address {address}{tls_dir}") from None
         writer.close()
         return
 
