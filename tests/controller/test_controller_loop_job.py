@@ -356,6 +356,20 @@ def test_a_lost_trainer_is_restored_inside_the_run_and_each_step_is_logged_once(
 
 
 @pytest.mark.slow
+def test_a_lost_trainer_on_a_simulated_host_is_restarted_on_that_host(tmp_path):
+    """placement.kind = "process": the new trainer mesh is spawned on the trainer's host mesh
+    again (a remote HostMesh, over Monarch's real transport)."""
+    proc = _run_tiny_job(str(tmp_path), "lost", "3", "--num-prompts", "6", "--placement",
+                         "process", fault="kill_trainer_after_steps:2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "lost" / "summary.json").read_text())
+    assert summary["trainer_restarts"] == 1 and summary["trainer_restored_from_steps"] == [1]
+    steps = [json.loads(line)["step"] for line in
+             (tmp_path / "lost" / "trained_samples.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]
+
+
+@pytest.mark.slow
 def test_a_dead_trainer_past_max_restarts_fails_the_run_with_one_line_and_the_run_resumes(
         tmp_path):
     args = [str(tmp_path), "trainer", "4", "--num-prompts", "8"]
