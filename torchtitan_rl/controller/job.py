@@ -42,12 +42,8 @@ from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.config.convert import to_data
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.config.run_name import check_run_name
-from torchtitan_rl.console import CONSOLE, short_report
-from torchtitan_rl.controller.checkpointer import (
-    Checkpointer,
-    ControllerState,
-    latest_complete_checkpoint,
-)
+from torchtitan_rl.console import short_report
+from torchtitan_rl.controller.checkpointer import Checkpointer, ControllerState
 from torchtitan_rl.controller.resume_config import flat_config
 from torchtitan_rl.controller.loop import TrainingLoop
 from torchtitan_rl.controller.model_source import ModelSource
@@ -55,11 +51,13 @@ from torchtitan_rl.controller.placement import Placement
 from torchtitan_rl.controller.parts import RunParts
 from torchtitan_rl.controller.resolved_job import ResolvedJob
 from torchtitan_rl.controller.router import GeneratorRouter
-from torchtitan_rl.controller.spawn import SpawnTrainer, build_parts, restart_trainer
-from torchtitan_rl.controller.supervision import (
-    MeshFailureWatch,
-    RunFailedError,
-    TrainerLostError,
+from torchtitan_rl.controller.spawn import SpawnTrainer, build_parts
+from torchtitan_rl.controller.supervision import MeshFailureWatch, RunFailedError
+from torchtitan_rl.controller.trainer_restart import (
+    SUPERVISION_REPORT_WAIT_S,
+    continue_from,
+    lost_the_trainer,
+    restart_trainer,
 )
 from torchtitan_rl.controller.validation import Validator
 from torchtitan_rl.controller.warm_start import WarmStart
@@ -75,11 +73,6 @@ from torchtitan_rl.trainer.trainer import MonarchTrainerClient, PolicyTrainer
 from torchtitan_rl.types import Sampling
 
 logger = logging.getLogger(__name__)
-
-SUPERVISION_REPORT_WAIT_S = 30.0
-"""How long a run whose call hit a dead actor waits for Monarch's report naming the mesh (it polls
-every second; a loaded box can take tens of seconds)."""
-
 
 def _default_rollouter() -> Rollouter.Config:
     return Rollouter.Config(group_size=8)
@@ -236,7 +229,7 @@ class RLJob(Configurable):
                                 self._train(plan, parts, resume_dir, state))
                             break
                         except Exception as e:
-                            if not await _lost_the_trainer(watch, e):
+                            if not await lost_the_trainer(watch, e):
                                 raise
                             if len(restored_from) == plan.trainer.max_restarts:
                                 raise RunFailedError(
@@ -244,8 +237,9 @@ class RLJob(Configurable):
                                     f"(trainer.max_restarts={plan.trainer.max_restarts}): "
                                     f"{short_report(watch.trainer_lost or '')}; a rerun "
                                     f"resumes from the newest checkpoint") from e
-                        resume_dir, state = await _restart_trainer(
-                            plan, parts, watch, restart=len(restored_from) + 1)
+                        state = await restart_trainer(plan, parts, watch,
+                                                      restart=len(restored_from) + 1)
+                        resume_dir = None  # restored already
                         restored_from.append(state.step)
                 finally:
                     await parts.close()
@@ -283,12 +277,7 @@ class RLJob(Configurable):
         from torchtitan_rl.console import progress_bar
 
         if resume_dir is not None:
-            await parts.checkpointer.restore(parts.trainer, resume_dir, state)
-            await parts.generators.push_weights(state.step)
-            for step, mean, stderr in state.validation_history:
-                if step == state.step:  # its log lines were dropped with the killed run's
-                    parts.metrics.log(step, {"validation/reward_mean": mean,
-                                             "validation/reward_stderr": stderr})
+            await continue_from(parts, resume_dir, state)
         with progress_bar(total=plan.loop.num_steps, initial=state.step,
                           desc="GRPO steps") as progress:
             await plan.loop.build(parts=parts, state=state, progress=progress).run()
@@ -296,43 +285,6 @@ class RLJob(Configurable):
         if plan.checkpoint.export_hf:
             await parts.trainer.export_hf(run_dir / "hf")
         _plot(state, run_dir)
-
-
-async def _lost_the_trainer(watch: MeshFailureWatch, error: Exception) -> bool:
-    """Whether ``error`` ended the run's work because the watched trainer mesh died (a call to
-    it can fail before Monarch's report names the mesh: wait for the report then)."""
-    if isinstance(error, TrainerLostError):
-        return True
-    if watch.trainer_mesh is None or not is_supervision_error(error):
-        return False
-    await watch.wait_for_failure(timeout_s=SUPERVISION_REPORT_WAIT_S)
-    return watch.trainer_lost is not None and not watch.failures
-
-
-async def _restart_trainer(plan: ResolvedJob, parts: RunParts, watch: MeshFailureWatch, *,
-                           restart: int) -> tuple[pathlib.Path | None, ControllerState]:
-    """A new trainer mesh for the lost one, and what the run continues from: the newest
-    complete checkpoint (or the run's start). The step logs past it are dropped (those steps
-    are trained again, and each is logged once); the generators go back to its version."""
-    start = time.perf_counter()
-    logger.warning("trainer lost: %s; restarting it (%d of trainer.max_restarts=%d)",
-                   short_report(watch.trainer_lost or ""), restart, plan.trainer.max_restarts,
-                   extra=CONSOLE)
-    await restart_trainer(plan, parts, restart)
-    watch.watch_trainer(parts.trainer.mesh_name)  # type: ignore[attr-defined]
-    found = latest_complete_checkpoint(parts.checkpointer.root)
-    resume_dir, state = found if found is not None else (
-        None, ControllerState(step=0, next_group_id=0))
-    parts.checkpointer.forget_steps_from(state.step)
-    parts.metrics.close()
-    parts.metrics = plan.metrics.build(run_dir=pathlib.Path(plan.run_dir), purge_step=state.step)
-    await parts.generators.rewind(state.step)
-    if resume_dir is None:  # the new trainer holds the run's first weights: give them back
-        await parts.generators.push_weights(0)
-    logger.warning("trainer restarted in %.1f s; the run goes on from %s", 
-                   time.perf_counter() - start,
-                   f"checkpoint step {state.step}" if resume_dir else "its start", extra=CONSOLE)
-    return resume_dir, state
 
 
 def _dump_tasks_on_sigusr1() -> None:

@@ -13,16 +13,11 @@
         task, tokenizer, cursor, rollouter, validator, metrics, recorder
     -> RunParts (controller/parts.py)
 
-    restart_trainer(plan, parts, n): the lost trainer's procs stopped, a new trainer mesh on the
-        same hosts (job.py restores the newest checkpoint into it)
-
 Where the run's meshes are spawned (GeneratorPool spawns and replaces the generators).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import pathlib
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -30,13 +25,11 @@ from typing import Any, Protocol
 from torchtitan_rl.controller.checkpointer import Checkpointer
 from torchtitan_rl.controller.placement import RunHosts
 from torchtitan_rl.controller.data_cursor import DataCursor
-from torchtitan_rl.controller.generator_pool import SPAWN_TIMEOUT_S, STOP_TIMEOUT_S, GeneratorPool
+from torchtitan_rl.controller.generator_pool import GeneratorPool
 from torchtitan_rl.controller.parts import RunParts
 from torchtitan_rl.controller.resolved_job import ResolvedJob
 from torchtitan_rl.trainer.batcher import Batcher
 from torchtitan_rl.trainer.trainer import MonarchTrainerClient, PolicyTrainer, TrainerClient
-
-logger = logging.getLogger(__name__)
 
 
 class SpawnTrainer(Protocol):
@@ -52,20 +45,6 @@ def spawn_trainer_procs(plan: ResolvedJob, hosts: RunHosts, restart: int = 0) ->
     per_host = plan.num_trainer_ranks // plan.placement.trainer_hosts
     name = f"trainer_r{restart}" if restart else None
     return hosts.trainer.spawn_procs(per_host={"procs": per_host}, name=name)
-
-
-async def restart_trainer(plan: ResolvedJob, parts: RunParts, restart: int) -> None:
-    """Stop the lost trainer's procs (bounded) and spawn its replacement on the same hosts from
-    the run's model; the generator pool pushes from the new one."""
-    try:
-        await asyncio.wait_for(parts.trainer.close(), STOP_TIMEOUT_S)
-    except Exception as e:  # a dead mesh may not stop cleanly: it is gone either way
-        logger.warning("stopping the lost trainer: %r", e)
-    procs = spawn_trainer_procs(plan, parts.hosts, restart)
-    trainer = await asyncio.wait_for(MonarchTrainerClient.spawn(
-        procs, plan.trainer, model_dir=pathlib.Path(plan.model_dir), batcher=plan.batcher,
-        verify_push=plan.verify_weight_push, restart=restart), SPAWN_TIMEOUT_S)
-    parts.trainer = parts.generators.trainer = trainer
 
 
 async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
