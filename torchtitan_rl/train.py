@@ -31,6 +31,9 @@ from typing import TYPE_CHECKING, Any
 os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 
 from torchtitan_rl.config.errors import ConfigError  # noqa: E402 (after the env default)
+from torchtitan_rl.controller.lifetime import RunStopped, set_monarch_defaults  # noqa: E402
+
+set_monarch_defaults()  # a dead controller's procs end in seconds, not minutes (lifetime.py)
 
 if TYPE_CHECKING:
     from torchtitan_rl.controller.job import RLJob
@@ -98,11 +101,15 @@ def cli(argv: list[str] | None = None) -> None:
 
 def guarded(run: Callable[[], int]) -> int:
     """``run()``'s exit code; an unexpected exception is one ``error:`` line on the console (its
-    traceback goes to the log file) and exit code 1, Ctrl-C exit code 130."""
+    traceback goes to the log file) and exit code 1, Ctrl-C exit code 130, SIGTERM 143 (the
+    run's processes closed first: controller/lifetime.py)."""
     from torchtitan_rl.console import LOG_FILE_ENV, console_err, error_line
 
     try:
         return run()
+    except RunStopped as e:  # its console line was logged when the signal came
+        logger.info("%s", e)
+        return e.exit_code
     except KeyboardInterrupt:
         logger.warning("interrupted")
         return 130

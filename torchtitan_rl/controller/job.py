@@ -45,6 +45,7 @@ from torchtitan_rl.config.run_name import check_run_name
 from torchtitan_rl.console import short_report
 from torchtitan_rl.controller.checkpointer import Checkpointer, ControllerState
 from torchtitan_rl.controller.resume_config import flat_config
+from torchtitan_rl.controller.lifetime import run_stoppable
 from torchtitan_rl.controller.loop import TrainingLoop
 from torchtitan_rl.controller.model_source import ModelSource
 from torchtitan_rl.controller.placement import Placement
@@ -187,7 +188,8 @@ class RLJob(Configurable):
 
     # ---- the run ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        return asyncio.run(self.run_async())
+        """The run; SIGTERM and Ctrl-C close it as an error does, then raise RunStopped."""
+        return run_stoppable(self.run_async())
 
     async def run_async(self, *,
                         spawn_trainer: SpawnTrainer | None = None) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from typing import Any, Literal
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.controller import attach_tls
+from torchtitan_rl.controller.lifetime import OrphanReaper
 
 logger = logging.getLogger(__name__)
 
@@ -153,14 +154,15 @@ class Placement(Configurable):
                     _check_address(f"placement.workers[{i}]", address)
             attach_tls.check_addresses(self)
 
-        def monarch_job(self, num_generators: int) -> Any:
-            """The Monarch job for kinds process, slurm and kubernetes (not applied yet)."""
+        def monarch_job(self, num_generators: int, env: dict[str, str] | None = None) -> Any:
+            """The Monarch job for kinds process, slurm and kubernetes (not applied yet); ``env``:
+            more environment for the process kind's workers (lifetime.OrphanReaper's mark)."""
             meshes = {"trainer": self.trainer_hosts,
                       "generators": self.num_generator_hosts(num_generators)}
             if self.kind == "process":
                 from monarch.job import ProcessJob
 
-                return ProcessJob(meshes)
+                return ProcessJob(meshes, env=env)
             if self.kind == "slurm":
                 from monarch.job import SlurmJob
 
@@ -196,7 +198,9 @@ class Placement(Configurable):
             return RunHosts(trainer=this_host(), generators=this_host(), generators_per_host=0)
         if c.kind == "attach":
             return await _attach(c)
-        job = c.monarch_job(num_generators)
+        # Simulated hosts are sessions of their own: reaped when this controller ends, however.
+        reaper = OrphanReaper() if c.kind == "process" else None
+        job = c.monarch_job(num_generators, env=reaper.env if reaper else None)
         try:
             # apply() submits or starts the workers; a Slurm allocation may queue: bounded too.
             try:
@@ -208,10 +212,12 @@ class Placement(Configurable):
                     f"{c.host_timeout_s:g} s (placement.host_timeout_s)") from None
             hosts = RunHosts(trainer=state.trainer, generators=state.generators,
                              generators_per_host=c.generators_per_host, job=job,
-                             separate_machines=c.kind == "process")
+                             separate_machines=c.kind == "process", reaper=reaper)
             await hosts.wait_up(f"placement.kind={c.kind}", c.host_timeout_s)
         except BaseException:
             _kill(job)
+            if reaper is not None:
+                reaper.close()
             raise
         return hosts
 
@@ -228,6 +234,8 @@ class RunHosts:
     """The Monarch job that owns the hosts (killed at close), if any."""
     separate_machines: bool = False
     """Each host is its own machine by construction (simulated hosts): never shared memory."""
+    reaper: OrphanReaper | None = None
+    """Ends the job's processes if this controller ends without close (controller/lifetime.py)."""
 
     def generator_host(self, index: int) -> Any:
         if self.generators_per_host == 0:
@@ -248,8 +256,12 @@ class RunHosts:
                     f"{' '.join(str(e).split())[:300]}") from e
 
     async def close(self, timeout_s: float = 60.0) -> None:
-        if self.job is not None:
-            await asyncio.wait_for(asyncio.to_thread(_kill, self.job), timeout_s)
+        try:
+            if self.job is not None:
+                await asyncio.wait_for(asyncio.to_thread(_kill, self.job), timeout_s)
+        finally:
+            if self.reaper is not None:  # whatever the kill left (or a kill that timed out)
+                await asyncio.to_thread(self.reaper.close)
 
 
 async def _attach(c: Placement.Config) -> RunHosts:

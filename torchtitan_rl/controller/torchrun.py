@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.controller.job import RLJob
+from torchtitan_rl.controller.lifetime import run_stoppable
 from torchtitan_rl.controller.spawn import SpawnTrainer
 from torchtitan_rl.generator import GeneratorHandle
 from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
@@ -254,7 +255,7 @@ def run_rank0(config: Any) -> dict[str, Any]:
     try:
         with _without_launcher_env():
             job = RLJob(config)
-            return asyncio.run(job.run_async(spawn_trainer=spawn_trainer))
+            return run_stoppable(job.run_async(spawn_trainer=spawn_trainer))
     finally:
         executor.shutdown(wait=True)
         trainer.stop()
