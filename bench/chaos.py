@@ -44,8 +44,11 @@ def _train(args: argparse.Namespace, name: str, extra: list[str]) -> subprocess.
     command = [sys.executable, "-m", "torchtitan_rl.train", "--config", args.config,
                "--name", name, "--output_dir", args.output_dir, "--seed", str(args.seed),
                "--checkpoint.overwrite", "true", *extra, *args.train_args]
-    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    console = pathlib.Path(args.output_dir) / f"{name}.console.txt"  # a file: a pipe could fill
+    console.parent.mkdir(parents=True, exist_ok=True)
+    with console.open("w") as out:
+        return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
 def _num_trained(run_dir: pathlib.Path) -> int:
@@ -109,13 +112,12 @@ def _trained_steps(run_dir: pathlib.Path) -> tuple[list[int], list[int]]:
     return [r["step"] for r in records], [g for r in records for g in r["group_ids"]]
 
 
-def _finish(proc: subprocess.Popen, what: str) -> dict:
-    _, stderr = proc.communicate()
-    if proc.returncode != 0:
-        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-        sys.exit(f"the {what} run failed (exit {proc.returncode}): "
-                 f"{errors[-1] if errors else stderr[-2000:]}")
-    return {"stderr": stderr}
+def _finish(proc: subprocess.Popen, args: argparse.Namespace, name: str) -> None:
+    if proc.wait() != 0:
+        console = (pathlib.Path(args.output_dir) / f"{name}.console.txt").read_text()
+        errors = [line for line in console.splitlines() if line.startswith("error:")]
+        sys.exit(f"the {name} run failed (exit {proc.returncode}): "
+                 f"{errors[-1] if errors else console[-2000:]}")
 
 
 def main() -> None:
@@ -142,14 +144,14 @@ def main() -> None:
 
     if not args.skip_undisturbed:
         start = time.monotonic()
-        _finish(_train(args, "undisturbed", steps_flag), "undisturbed")
+        _finish(_train(args, "undisturbed", steps_flag), args, "undisturbed")
         print(f"undisturbed run: {time.monotonic() - start:.0f} s", flush=True)
     restarts = ["--trainer.max_restarts", str(args.kills),
                 "--generator.max_restarts", str(args.kills)]
     start = time.monotonic()
     proc = _train(args, "disturbed", steps_flag + restarts)
     kills = _disturb(args, proc, chaos_dir, num_steps)
-    _finish(proc, "disturbed")
+    _finish(proc, args, "disturbed")
     print(f"disturbed run: {time.monotonic() - start:.0f} s", flush=True)
 
     log = (chaos_dir / "logs" / "train.log").read_text()
