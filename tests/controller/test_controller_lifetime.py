@@ -166,13 +166,14 @@ def _wait_for(condition, what: str, timeout_s: float = 600.0) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("placement, end", [
     ("local", "sigkill"), ("process", "sigkill"), ("process", "sigterm"), ("local", "ctrl-c"),
-    ("process", "success"),
+    ("process", "success"), ("process", "error"),
 ])
 def test_every_process_of_a_run_is_gone_after_it_ends(tmp_path, placement, end):
     steps = "1" if end == "success" else "100"
-    fault = "kill_controller_after_groups:4" if end == "sigkill" else None
+    fault = {"sigkill": "kill_controller_after_groups:4",
+             "error": "kill_trainer_after_steps:2"}.get(end)  # error: a lost trainer, no restart
     controller = _train(tmp_path, "--placement.kind", placement, "--loop.num_steps", steps,
-                        fault=fault)
+                        "--trainer.max_restarts", "0", fault=fault)
     sessions = {controller.pid}  # its own session; each simulated host has one
     try:
         checkpoint = tmp_path / "letters" / "checkpoints" / "step-000001"
@@ -182,7 +183,7 @@ def test_every_process_of_a_run_is_gone_after_it_ends(tmp_path, placement, end):
                          psutil.Process(controller.pid).children(recursive=True)}
         except psutil.NoSuchProcess:  # the success or SIGKILL case ended already
             pass
-        if placement == "process" and end != "sigkill":
+        if placement == "process" and end not in ("sigkill", "error"):
             assert len(sessions) >= 3, sessions  # 2 hosts (+ the reaper): tracked
         tracked = _in_sessions(sessions)
         if end in ("sigterm", "ctrl-c"):
@@ -194,7 +195,7 @@ def test_every_process_of_a_run_is_gone_after_it_ends(tmp_path, placement, end):
         controller.kill()
         _kill_sessions(_in_sessions(sessions))
     expected = {"sigkill": -signal.SIGKILL, "sigterm": 128 + signal.SIGTERM,
-                "ctrl-c": 128 + signal.SIGINT, "success": 0}[end]
+                "ctrl-c": 128 + signal.SIGINT, "success": 0, "error": 1}[end]
     assert controller.returncode == expected, stderr[-3000:]
     if end in ("sigterm", "ctrl-c"):
         name = "SIGTERM" if end == "sigterm" else "SIGINT"
