@@ -52,6 +52,9 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None = None
     max_tokens: int | None = None
     logprobs: bool = False
+    return_token_ids: bool = False
+    """vLLM's extension: the response carries ``prompt_token_ids`` and the choice's
+    ``token_ids`` (what the generator got and produced)."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -60,6 +63,8 @@ class CompletionRequest:
     prompt: str | list[int]
     max_tokens: int | None = None
     logprobs: bool = False
+    return_token_ids: bool = False
+    """As ChatRequest.return_token_ids."""
 
 
 def _require_object(body: Any) -> dict[str, Any]:
@@ -80,6 +85,13 @@ def _common(body: dict[str, Any]) -> None:
         value = body.get(name)
         if value is not None and value != _NEUTRAL.get(name):
             raise RequestError(name, f"{why} (got {value!r})")
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(name, f"true or false expected, got {value!r}")
+    return bool(value)
 
 
 def _max_tokens(body: dict[str, Any]) -> int | None:
@@ -137,12 +149,10 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if tools is not None and (not isinstance(tools, list) or not all(
             isinstance(t, dict) for t in tools)):
         raise RequestError("tools", "a list of tool objects expected")
-    logprobs = body.get("logprobs")
-    if logprobs is not None and not isinstance(logprobs, bool):
-        raise RequestError("logprobs", f"true or false expected, got {logprobs!r}")
     return ChatRequest(model=model, messages=[_message(m, i) for i, m in enumerate(messages)],
                        tools=tools or None, max_tokens=_max_tokens(body),
-                       logprobs=bool(logprobs))
+                       logprobs=_flag(body, "logprobs"),
+                       return_token_ids=_flag(body, "return_token_ids"))
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
@@ -162,7 +172,8 @@ def parse_completion_request(body: Any) -> CompletionRequest:
                                  or logprobs < 0):
         raise RequestError("logprobs", f"an integer >= 0 expected, got {logprobs!r}")
     return CompletionRequest(model=model, prompt=prompt, max_tokens=_max_tokens(body),
-                             logprobs=logprobs is not None)
+                             logprobs=logprobs is not None,
+                             return_token_ids=_flag(body, "return_token_ids"))
 
 
 def _usage(completion: Completion) -> dict[str, int]:
@@ -176,6 +187,14 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else -9999.0
 
 
+def _with_token_ids(body: dict[str, Any], completion: Completion, wanted: bool
+                    ) -> dict[str, Any]:
+    if wanted:
+        body["prompt_token_ids"] = list(completion.prompt_token_ids)
+        body["choices"][0]["token_ids"] = list(completion.token_ids)
+    return body
+
+
 def chat_response(request: ChatRequest, completion: Completion, text: str,
                   tokenizer: Any) -> dict[str, Any]:
     logprobs = None
@@ -184,7 +203,7 @@ def chat_response(request: ChatRequest, completion: Completion, text: str,
             {"token": tokenizer.decode([t]), "logprob": _finite(lp), "bytes": None,
              "top_logprobs": []}
             for t, lp in zip(completion.token_ids, completion.token_logprobs)]}
-    return {
+    return _with_token_ids({
         "id": f"chatcmpl-{completion.request_id}",
         "object": "chat.completion",
         "created": int(time.time()),
@@ -192,7 +211,7 @@ def chat_response(request: ChatRequest, completion: Completion, text: str,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                      "finish_reason": completion.finish_reason, "logprobs": logprobs}],
         "usage": _usage(completion),
-    }
+    }, completion, request.return_token_ids)
 
 
 def completion_response(request: CompletionRequest, completion: Completion, text: str,
@@ -202,7 +221,7 @@ def completion_response(request: CompletionRequest, completion: Completion, text
         logprobs = {"tokens": [tokenizer.decode([t]) for t in completion.token_ids],
                     "token_logprobs": [_finite(lp) for lp in completion.token_logprobs],
                     "top_logprobs": None, "text_offset": None}
-    return {
+    return _with_token_ids({
         "id": f"cmpl-{completion.request_id}",
         "object": "text_completion",
         "created": int(time.time()),
@@ -210,7 +229,7 @@ def completion_response(request: CompletionRequest, completion: Completion, text
         "choices": [{"index": 0, "text": text, "finish_reason": completion.finish_reason,
                      "logprobs": logprobs}],
         "usage": _usage(completion),
-    }
+    }, completion, request.return_token_ids)
 
 
 def error_body(message: str, *, kind: str = "invalid_request_error", param: str | None = None,
