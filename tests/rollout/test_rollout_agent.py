@@ -326,3 +326,15 @@ def test_parse_requests_normalise_messages() -> None:
             {"type": "image_url", "image_url": {"url": "x"}}]}]})
     with pytest.raises(RequestError, match="prompt: one prompt expected"):
         parse_completion_request({"model": "m", "prompt": ["a", "b"]})
+
+
+def test_the_agents_guide_shows_the_agent_as_it_is() -> None:
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    doc = (root / "docs" / "agents.md").read_text()
+    path = "torchtitan_rl/examples/alphabet_sort/agent.py"
+    [block] = re.findall(rf"`{re.escape(path)}`\n```python\n(.*?)```", doc, re.S)
+    assert block == (root / path).read_text()
+    assert "docs/agents.md" in (root / "README.md").read_text()
