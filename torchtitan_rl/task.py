@@ -34,6 +34,12 @@ class TaskConfig(Configurable.Config):
     """Settings that do not change the training split's solved conversations (validation-only or
     reward-only ones): changing them keeps a cached warm start."""
 
+    def warm_start_config(self) -> TaskConfig:
+        """The config whose settings key the warm start's cache: this one; a task that takes
+        its solved conversations from another task's (AgentTask) returns that one's, so both
+        share one cached warm start."""
+        return self
+
 
 class Task(Protocol):
     def dataset(self, split: Split) -> Sequence[Any]:

@@ -140,7 +140,10 @@ def _static_walk(index: ss.SourceIndex, instance: ss.Instance, prefix: str, doc:
                                           type=_type_text(index, field.module, field.annotation)))
             continue
         if index.class_var(child_cls, "polymorphic"):
-            concrete = index.class_at(task_type) if task_type else None
+            # --task.type picks the job's task; a task's own polymorphic field (AgentTask's
+            # episodes) shows its `type` key only, else the walk would nest the task in itself.
+            top = "." not in path
+            concrete = index.class_at(task_type) if task_type and top else None
             child_doc = field.doc or _class_doc(child_cls)
             sub = sections.setdefault(path, Section(path=path, doc=child_doc))
             sub.options.append(Option(path=f"{path}.type", type="str", doc=TASK_TYPE_DOC,
@@ -261,7 +264,7 @@ def live_sections(root: str, task_type: str | None) -> list[Section]:
                 sub = sections.setdefault(path, Section(path=path, doc=field_doc))
                 sub.options.append(Option(path=f"{path}.type", type="str", doc=TASK_TYPE_DOC,
                                           default="required"))
-                if task_type:
+                if task_type and "." not in path:  # as in _static_walk
                     child = import_config_class(task_type, inner[0], f"{path}.type")()
             cls_doc = _class_doc(index.class_at(f"{type(child).__module__}:"
                                                 f"{type(child).__qualname__}"))

@@ -303,6 +303,7 @@ def _warm_start_fingerprint(task: TaskConfig, enable_thinking: bool | None = Non
     """The task settings the warm start's training conversations depend on, and the chat
     template's thinking mode they are rendered in (`rollouter.enable_thinking`; absent when None,
     so warm starts cached before the setting existed keep their key)."""
+    task = task.warm_start_config()
     data = to_data(task)
     independent = type(task).warm_start_independent_fields
     unknown = [key for key in independent if key not in data]

@@ -61,8 +61,10 @@ class RunParts:
         replacement in progress stops before the trainer it pushes from) and the metrics files;
         a failure to close one is logged, not raised."""
         self.metrics.close()
-        for part in (self.generators, self.trainer, self.hosts):
+        closers = [getattr(self.task, "aclose", None)]  # a task's own server (AgentTask's)
+        closers += [part.close for part in (self.generators, self.trainer, self.hosts)]
+        for close in filter(None, closers):
             try:
-                await part.close()
+                await close()
             except Exception as e:
                 logger.warning("shutdown: %r", e)

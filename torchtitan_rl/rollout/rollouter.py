@@ -28,6 +28,8 @@ from typing import Any, Literal
 
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.rollout.advantage import AdvantageStd, group_advantages
+from torchtitan_rl.rollout.agent_capture import EpisodeLimits
+from torchtitan_rl.rollout.agent_task import AgentEnv
 from torchtitan_rl.rollout.message_env import MessageEnv
 from torchtitan_rl.rollout.token_env import TokenEnv, chat_template_kwargs
 from torchtitan_rl.rollout.types import (
@@ -121,7 +123,8 @@ class Rollouter(Configurable):
                 )
 
     def __init__(
-        self, config: Config, *, tokenizer: Any, make_env: Callable[[Any], MessageEnv]
+        self, config: Config, *, tokenizer: Any,
+        make_env: Callable[[Any], MessageEnv | AgentEnv]
     ) -> None:
         self.config = config
         self._tokenizer = tokenizer
@@ -189,6 +192,9 @@ class Rollouter(Configurable):
             rollout.error = f"make_env raised {e!r}"
             rollout.reward = self._error_reward()
             return rollout
+        if isinstance(message_env, AgentEnv):  # an agent program plays it over the endpoint
+            await self._play_agent(message_env, generate_fn, rollout, sampling, attempt)
+            return rollout
         env = TokenEnv(message_env, self._tokenizer, max_turns=self.config.max_turns,
                        max_rollout_tokens=self.config.max_rollout_tokens,
                        step_timeout_s=self.config.step_timeout_s,
@@ -201,6 +207,18 @@ class Rollouter(Configurable):
         return rollout
 
     # ---- helpers ----
+
+    async def _play_agent(self, env: AgentEnv, generate_fn: GenerateFn, rollout: Rollout,
+                          sampling: Sampling, attempt: int) -> None:
+        c = self.config
+        await env.play(
+            generate_fn, rollout, sampling=sampling, attempt=attempt, credit=c.credit,
+            base_seed=c.seed if sampling.seed is None else sampling.seed,
+            limits=EpisodeLimits(max_turns=c.max_turns, max_rollout_tokens=c.max_rollout_tokens,
+                                 chat_template_kwargs=chat_template_kwargs(c.enable_thinking)),
+            tokenizer=self._tokenizer, count_special=self._count_special)
+        if rollout.status.is_error:
+            rollout.reward = self._error_reward()
 
     async def _drive(
         self, env: TokenEnv, generate_fn: GenerateFn, rollout: Rollout, sampling: Sampling,

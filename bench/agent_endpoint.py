@@ -1,0 +1,160 @@
+"""Turns per second through the agent endpoint vs the in-process environment, same episodes.
+
+    python bench/agent_endpoint.py --groups 32 --group-size 8 --latency-ms 20
+
+Both sides play the same AlphabetSort episodes (3 turns each) with the same Rollouter and the
+same scripted GenerateFn (each call answers the turn's correct list after ``--latency-ms``, the
+stand-in for a generator's time per call, 0 measures the endpoint's overhead alone):
+  in_process: AlphabetSortTask.make_env -> TokenEnv (the Rollouter's own loop, no HTTP);
+  endpoint:   AgentTask with torchtitan_rl/examples/alphabet_sort/agent.py: the `openai` client
+              over HTTP on 127.0.0.1 to the run's endpoint, which renders, captures and generates.
+              That agent makes a client per episode, which costs ~30 ms of CPU (httpx loads the
+              CA store into a new SSL context), more than the endpoint's own work;
+  endpoint_shared_client: the same agent reusing one client per event loop
+              (``AsyncOpenAI.with_options(base_url=...)``): the endpoint's own overhead.
+``--concurrency`` groups run at a time. Each side runs once to warm up, then ``--iters`` times;
+turns/s is the median. The lines are key=value; the last is ``ratio=<endpoint / in_process>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import pathlib
+import statistics
+import sys
+import time
+from typing import Any
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from torchtitan_rl.assets.make_model import ensure_model  # noqa: E402
+from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask  # noqa: E402
+from torchtitan_rl.rollout.agent_task import AgentTask  # noqa: E402
+from torchtitan_rl.rollout.rollouter import Rollouter  # noqa: E402
+from torchtitan_rl.types import Completion, GenerateRequest, Sampling  # noqa: E402
+
+
+_SHARED: dict[Any, Any] = {}
+
+
+async def shared_client_agent(episode: Any, base_url: str, api_key: str) -> Any:
+    """torchtitan_rl/examples/alphabet_sort/agent.py with one client per event loop."""
+    from openai import AsyncOpenAI
+
+    from torchtitan_rl.examples.alphabet_sort.reward import alphabet_sort_reward, turn_score
+
+    loop = asyncio.get_running_loop()
+    if loop not in _SHARED:
+        _SHARED[loop] = AsyncOpenAI(base_url=base_url, api_key=api_key)
+    client = _SHARED[loop].with_options(base_url=base_url)
+    messages, replies = [], []
+    for prompt in episode.prompts:
+        messages.append({"role": "user", "content": prompt})
+        response = await client.chat.completions.create(model="policy", messages=messages)
+        reply = response.choices[0].message.content or ""
+        replies.append(reply)
+        messages.append({"role": "assistant", "content": reply})
+    truths = [list(names) for names in episode.ground_truths]
+    return (alphabet_sort_reward(replies, truths),
+            [turn_score(reply, truths[t], t, power=4) for t, reply in enumerate(replies)])
+
+
+class OracleGenerate:
+    """Answers each turn with the episode's correct list (looked up by the prompt's last user
+    message) after ``latency_s``."""
+
+    def __init__(self, tokenizer: Any, episodes: list[Any], latency_s: float) -> None:
+        self.tokenizer = tokenizer
+        self.latency_s = latency_s
+        self.answers: dict[str, list[int]] = {}
+        for episode in episodes:
+            for t, prompt in enumerate(episode.prompts):
+                tag = "alphabetical_sorted" if t == 0 else "combined_alphabetical_sorted"
+                text = f"<{tag}>\n" + "\n".join(episode.ground_truths[t]) + f"\n</{tag}>"
+                self.answers[prompt[-200:]] = tokenizer.encode(text, add_special_tokens=False)
+        self.decoded: dict[tuple[int, ...], str] = {}
+
+    async def __call__(self, request: GenerateRequest) -> Completion:
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        key = tuple(request.prompt_token_ids[-120:])
+        if key not in self.decoded:
+            self.decoded[key] = self.tokenizer.decode(list(key))
+        text = self.decoded[key]
+        ids = next((v for k, v in self.answers.items() if k[-60:] in text), [])
+        ids = ids[: request.sampling.max_tokens - 1] + [self.tokenizer.eos_token_id]
+        return Completion(request_id=request.request_id,
+                          prompt_token_ids=list(request.prompt_token_ids), token_ids=ids,
+                          token_logprobs=[-0.1] * len(ids), token_policy_versions=[0] * len(ids),
+                          finish_reason="stop")
+
+
+async def _play(rollouter: Rollouter, generate: OracleGenerate, episodes: list[Any],
+                group_size: int, concurrency: int) -> tuple[int, float]:
+    """(turns played, seconds) for every episode, ``concurrency`` groups at a time."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(group_id: int, episode: Any) -> int:
+        async with gate:
+            group = await rollouter.run_group_rollouts(generate, episode, group_id, group_size,
+                                                       Sampling(max_tokens=200))
+        assert all(not r.status.is_error for r in group.rollouts), [r.error for r in group.rollouts]
+        return sum(len(r.turns) for r in group.rollouts)
+
+    start = time.perf_counter()
+    turns = await asyncio.gather(*(one(g, e) for g, e in enumerate(episodes)))
+    return sum(turns), time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=32)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--latency-ms", type=float, default=20.0)
+    parser.add_argument("--iters", type=int, default=3)
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_model("tiny", REPO_ROOT / "assets" / "models"))
+    episodes_config = AlphabetSortTask.Config(min_turns=3, max_turns=3, max_names_per_turn=2)
+    episodes = [episodes_config.build().dataset("train")[i] for i in range(args.groups)]
+    generate = OracleGenerate(tokenizer, episodes, args.latency_ms / 1000)
+    agent_task = AgentTask.Config(agent="torchtitan_rl.examples.alphabet_sort.agent:run",
+                                  episodes=episodes_config).build()
+    shared_task = AgentTask.Config(agent="bench.agent_endpoint:shared_client_agent",
+                                   episodes=episodes_config).build()
+    sides = {"in_process": episodes_config.build().make_env, "endpoint": agent_task.make_env,
+             "endpoint_shared_client": shared_task.make_env}
+    rates: dict[str, float] = {}
+
+    async def run_all() -> None:
+        try:
+            for name, make_env in sides.items():
+                rollouter = Rollouter.Config(max_turns=3, max_rollout_tokens=1024).build(
+                    tokenizer=tokenizer, make_env=make_env)
+                samples = []
+                for i in range(args.iters + 1):
+                    turns, seconds = await _play(rollouter, generate, episodes, args.group_size,
+                                                 args.concurrency)
+                    if i:  # the first run warms up (imports, connections, caches)
+                        samples.append(turns / seconds)
+                rates[name] = statistics.median(samples)
+                print(f"bench=agent_endpoint side={name} turns={turns} "
+                      f"turns_per_s={rates[name]:.1f} latency_ms={args.latency_ms:g} "
+                      f"concurrency={args.concurrency * args.group_size}", flush=True)
+        finally:
+            await agent_task.aclose()
+            await shared_task.aclose()
+
+    asyncio.run(run_all())
+    print(f"bench=agent_endpoint ratio_shared_client="
+          f"{rates['endpoint_shared_client'] / rates['in_process']:.3f}")
+    print(f"ratio={rates['endpoint'] / rates['in_process']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""An agent task through the whole stack (Monarch meshes, vLLM generator, torchtitan trainer, the
+run's OpenAI-compatible endpoint on 127.0.0.1, the real `openai` client): the job trains 2 steps
+and every trained sample's tokens are the tokens the generator produced, as the endpoint returned
+them to the agent (vLLM's ``return_token_ids``), the loss mask exactly on the model's tokens.
+
+What the trainer received is read from ``trainer.debug_batch_log``; which document is which sample
+from trained_samples.jsonl (see test_controller_multi_turn_job.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import pytest
+
+from torchtitan_rl.controller.checkpointer import Checkpointer
+from torchtitan_rl.controller.validation import VALIDATION_GROUP_OFFSET, Validator
+from torchtitan_rl.generator.generator import Generator
+from torchtitan_rl.rollout.agent_task import AgentTask
+from torchtitan_rl.rollout.rollouter import Rollouter
+from torchtitan_rl.train import main
+from torchtitan_rl.trainer.batcher import Batcher
+from torchtitan_rl.types import Sampling
+
+from tests.controller import letter_agent
+from tests.controller.jobs import read_metrics, tiny_job
+from tests.controller.letter_task import LetterTask
+from tests.controller.test_controller_multi_turn_job import STOP_TOKEN_IDS, _received_samples
+
+pytestmark = pytest.mark.slow  # a whole job
+
+NUM_STEPS = 2
+SEQ_LEN = 128
+
+
+def test_agent_job_trains_exactly_the_generated_tokens(tmp_path: pathlib.Path) -> None:
+    letter_agent.CALLS.clear()
+    letter_agent.CHECKS.clear()
+    batch_log = tmp_path / "trainer_batches.jsonl"
+    base = tiny_job(tmp_path, "agent", num_steps=NUM_STEPS)
+    config = dataclasses.replace(
+        base,
+        task=AgentTask.Config(agent="tests.controller.letter_agent:run",
+                              episodes=LetterTask.Config()),
+        rollouter=Rollouter.Config(group_size=4, max_turns=2, max_rollout_tokens=SEQ_LEN),
+        sampling=Sampling(max_tokens=12, stop_token_ids=STOP_TOKEN_IDS),
+        generator=Generator.Config(max_model_len=SEQ_LEN, kv_cache_bytes=32 << 20),
+        batcher=Batcher.Config(seq_len=SEQ_LEN),
+        trainer=dataclasses.replace(base.trainer, debug_batch_log=str(batch_log)),
+        validation=Validator.Config(num_prompts=2),
+        checkpoint=Checkpointer.Config(every_steps=0, export_hf=False),
+    )
+    summary = main(config)
+    assert summary["steps"] == NUM_STEPS
+    run_dir = tmp_path / "agent"
+
+    # the error answers, through the real server and client
+    assert letter_agent.CHECKS, "no agent of rollout 0 ran"
+    for unknown, malformed in letter_agent.CHECKS:
+        assert unknown.startswith("404 ") and "no episode unknown-g" in unknown, unknown
+        assert malformed.startswith("400 messages[0].role "), malformed
+        assert "messages[0].role: one of ['system'" in malformed, malformed
+
+    received = _received_samples(batch_log)
+    trained = {json.loads(line)["step"]: json.loads(line)["sample_ids"]
+               for line in (run_dir / "trained_samples.jsonl").read_text().splitlines()}
+    metrics = read_metrics(run_dir)
+    assert sorted(received) == sorted(trained) == list(range(NUM_STEPS))
+    num_two_call_samples = 0
+    for step in range(NUM_STEPS):
+        assert sorted(received[step]) == list(range(len(trained[step])))
+        assert metrics[step]["rollout/status/error_env"] > 0  # rollout 3's agent raised
+        num_valid = 0
+        for document, sample_id in enumerate(trained[step]):
+            group, rollout, branch = (int(part.split("=")[1]) for part in sample_id.split("/"))
+            assert group < VALIDATION_GROUP_OFFSET and branch == 0
+            assert rollout != 3, "an errored rollout was trained on"
+            calls = letter_agent.CALLS[(group, rollout)]
+            tokens, mask, _ = received[step][document]
+            last = calls[-1]
+            # the sample is the last call's prompt + completion, token for token
+            assert tokens == last["prompt_token_ids"] + last["token_ids"], sample_id
+            # the trained tokens are exactly the generated ones, every call's
+            assert [t for t, m in zip(tokens, mask) if m] == [
+                t for call in calls for t in call["token_ids"]], sample_id
+            start = 0
+            for call in calls:  # ... at their positions: each call's prompt is the sequence so far
+                assert tokens[: len(call["prompt_token_ids"])] == call["prompt_token_ids"]
+                begin = len(call["prompt_token_ids"])
+                assert mask[start:begin] == [0] * (begin - start)
+                assert mask[begin:begin + len(call["token_ids"])] == [1] * len(call["token_ids"])
+                start = begin + len(call["token_ids"])
+            num_two_call_samples += len(calls) == 2
+            num_valid += len(last["token_ids"]) + sum(len(c["token_ids"]) for c in calls[:-1])
+        assert metrics[step]["loss/num_valid_tokens"] == num_valid, step
+    assert num_two_call_samples > 0

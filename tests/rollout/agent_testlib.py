@@ -1,0 +1,86 @@
+"""Agent programs for the agent-task tests: each talks to its episode URL with the real `openai`
+client, as a user's agent would. A test names one as ``tests.rollout.agent_testlib:<name>``;
+the episode spec is LetterTask's prompt string."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+from openai import AsyncOpenAI
+
+
+def _client(base_url: str, api_key: str) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=base_url, api_key=api_key)
+
+
+async def three_turns(episode: str, base_url: str, api_key: str) -> tuple[float, list[float]]:
+    """Three chat calls, each extending the history with the model's reply and a user message;
+    reward: replies containing "yes" (per call: 1 or 0)."""
+    messages = [{"role": "user", "content": episode}]
+    scores = []
+    async with _client(base_url, api_key) as client:
+        for turn in range(3):
+            response = await client.chat.completions.create(model="policy", messages=messages,
+                                                            max_tokens=6)
+            reply = response.choices[0].message.content or ""
+            scores.append(float("yes" in reply))
+            messages += [{"role": "assistant", "content": reply},
+                         {"role": "user", "content": f"again {turn}"}]
+    return sum(scores), scores
+
+
+async def rewrites(episode: str, base_url: str, api_key: str) -> float:
+    """Two calls; the second drops the first exchange (a rewritten history: a new branch)."""
+    async with _client(base_url, api_key) as client:
+        first = await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": episode}])
+        await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "start over"}])
+    return float("yes" in (first.choices[0].message.content or ""))
+
+
+async def completes(episode: str, base_url: str, api_key: str) -> float:
+    """One /v1/completions call with token ids, one with a string."""
+    async with _client(base_url, api_key) as client:
+        by_ids = await client.completions.create(model="policy", prompt=[5, 6, 7], max_tokens=4)
+        by_text = await client.completions.create(model="policy", prompt=episode)
+    return float("yes" in by_ids.choices[0].text) + float("yes" in by_text.choices[0].text)
+
+
+async def raises_on_no(episode: str, base_url: str, api_key: str) -> float:
+    """Raises when the model's reply holds no "yes"."""
+    async with _client(base_url, api_key) as client:
+        response = await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": episode}])
+    if "yes" not in (response.choices[0].message.content or ""):
+        raise RuntimeError("agent broke")
+    return 1.0
+
+
+async def until_refused(episode: str, base_url: str, api_key: str) -> float:
+    """Calls until the endpoint refuses (turn cap): returns the number of answered calls."""
+    answered = 0
+    async with _client(base_url, api_key) as client:
+        while True:
+            try:
+                await client.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": f"{episode} {answered}"}])
+            except openai.ConflictError:
+                return float(answered)
+            answered += 1
+
+
+async def hangs(episode: str, base_url: str, api_key: str) -> float:
+    """Never returns: only the task's timeout ends it."""
+    await asyncio.Event().wait()
+    return 0.0
+
+
+async def returns_text(episode: str, base_url: str, api_key: str) -> str:
+    """Returns no reward."""
+    return "done"
+
+
+def not_async(episode: str, base_url: str, api_key: str) -> float:
+    return 0.0

@@ -1,0 +1,217 @@
+"""AgentTask: a task whose episodes are played by an agent program over the run's
+OpenAI-compatible endpoint, not by a MessageEnv.
+
+    [task]
+    type = "torchtitan_rl.rollout.agent_task:AgentTask"
+    agent = "torchtitan_rl.examples.alphabet_sort.agent:run"   # async def run(episode, base_url, api_key)
+    [task.episodes]                                          # the task whose episode specs it plays
+    type = "torchtitan_rl.examples.alphabet_sort:AlphabetSortTask"
+
+    Rollouter.run_single_rollout: env = task.make_env(spec) -> an AgentEnv -> env.play(...):
+        EpisodeCapture(generate_fn, seeds, limits) --open--> EpisodeServer -> base_url
+        reward = await agent(spec, base_url, api_key)        (any OpenAI client, any number of calls)
+        EpisodeServer.close(id) -> Rollout(turns = the captured calls, status, reward)
+
+The endpoint starts with the first rollout, in the event loop the rollouts run in, and stops with
+``aclose()`` (RunParts.close). The agent returns the reward, or (reward, [one reward per call])
+for per-turn credit (rollouter.credit = "turn"). An agent that raises ends its rollout ERROR_ENV,
+one that runs past ``timeout_s`` ERROR_TIMEOUT, as MessageEnv errors do; a GenerateFn that raises
+under a call fails the whole group, as in MessageEnv rollouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import inspect
+import logging
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.rollout.agent_capture import EpisodeCapture, EpisodeLimits
+from torchtitan_rl.rollout.agent_server import EpisodeServer
+from torchtitan_rl.rollout.types import Rollout, RolloutStatus
+from torchtitan_rl.task import Split, TaskConfig
+from torchtitan_rl.types import GenerateFn, Sampling
+
+logger = logging.getLogger(__name__)
+
+Agent = Callable[[Any, str, str], Awaitable[Any]]
+
+
+def load_agent(path: str) -> Agent:
+    """The async function ``package.module:function`` names (ConfigError naming task.agent)."""
+    module_name, _, name = path.partition(":")
+    if not module_name or not name:
+        raise ConfigError(f"task.agent: 'package.module:function' expected, got {path!r}")
+    try:
+        function = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"task.agent = {path!r}: {e}") from e
+    if not inspect.iscoroutinefunction(function):
+        raise ConfigError(f"task.agent = {path!r}: an `async def` function expected")
+    try:
+        inspect.signature(function).bind("episode", "base_url", "api_key")
+    except TypeError as e:
+        raise ConfigError(f"task.agent = {path!r}: it must take (episode, base_url, api_key): "
+                          f"{e}") from e
+    return function
+
+
+class AgentTask(Configurable):
+    """Episodes of another task, played by an agent function through the run's endpoint."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(TaskConfig):
+        agent: str = ""
+        """The agent, ``package.module:function``: ``async def run(episode, base_url, api_key)``
+        returning the reward (or (reward, [reward per model call]) for per-turn credit). It
+        talks to ``base_url`` with any OpenAI client, key ``api_key``."""
+        episodes: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+        """The task whose train and validation episode specs the agent plays (its `type` and
+        settings); its environment is not used. Its solved conversations feed the warm start."""
+        timeout_s: float | None = 600.0
+        """Wall-clock limit for one agent run (all its model calls included); past it the
+        rollout ends ERROR_TIMEOUT. None: no limit."""
+        host: str = "127.0.0.1"
+        """Address the endpoint binds; 127.0.0.1 keeps it on this machine."""
+        port: int = 0
+        """Port the endpoint binds; 0 picks a free one."""
+
+        def warm_start_config(self) -> TaskConfig:
+            return self.episodes  # the warm start trains on its solved conversations
+
+        def __post_init__(self) -> None:
+            if self.timeout_s is not None and self.timeout_s <= 0:
+                raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s}")
+            if not 0 <= self.port < 65536:
+                raise ValueError(f"port must be in [0, 65536), got {self.port}")
+
+    def __init__(self, config: Config) -> None:
+        if config.episodes.__class__ is TaskConfig:
+            raise ConfigError("task.episodes.type: name the task whose episodes the agent plays, "
+                              "e.g. [task.episodes] type = "
+                              "\"torchtitan_rl.examples.alphabet_sort:AlphabetSortTask\"")
+        self.config = config
+        self.agent = load_agent(config.agent)
+        self.episodes = config.episodes.build()
+        self._server: EpisodeServer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def dataset(self, split: Split) -> Sequence[Any]:
+        return self.episodes.dataset(split)
+
+    def make_env(self, episode: Any) -> AgentEnv:
+        return AgentEnv(self, episode)
+
+    def solved_conversation(self, episode: Any) -> list[dict[str, str]]:
+        solve = getattr(self.episodes, "solved_conversation", None)
+        if solve is None:
+            raise ConfigError(f"warm_start.enabled needs task.episodes to solve its episodes; "
+                              f"{type(self.episodes).__qualname__} has no solved_conversation")
+        return solve(episode)
+
+    def server(self) -> EpisodeServer:
+        """The endpoint of the running event loop, started on first use (no await in between:
+        concurrent first rollouts get the same one)."""
+        loop = asyncio.get_running_loop()
+        if self._server is None or self._loop is not loop:
+            self._server = EpisodeServer(host=self.config.host, port=self.config.port)
+            self._server.start()
+            self._loop = loop
+        return self._server
+
+    async def aclose(self) -> None:
+        """Stop the endpoint (its open episodes end)."""
+        if self._server is not None and self._loop is asyncio.get_running_loop():
+            await self._server.aclose()
+        self._server = self._loop = None
+
+
+class AgentEnv:
+    """One rollout of an AgentTask; the Rollouter calls ``play`` instead of driving a TokenEnv."""
+
+    def __init__(self, task: AgentTask, episode: Any) -> None:
+        self.task = task
+        self.episode = episode
+
+    async def play(self, generate_fn: GenerateFn, rollout: Rollout, *, sampling: Sampling,
+                   base_seed: int, attempt: int, limits: EpisodeLimits, credit: str,
+                   tokenizer: Any, count_special: Callable[[list[int], str], int]) -> None:
+        """Run the agent on this rollout's episode URL; fills ``rollout`` (turns, status,
+        reward; the reward of an errored rollout is the Rollouter's to set). Raises what the
+        GenerateFn raised under one of the agent's calls."""
+        server = self.task.server()
+        capture = EpisodeCapture(
+            generate_fn=generate_fn, tokenizer=tokenizer, sampling=sampling,
+            base_seed=base_seed, group_id=rollout.group_id,
+            rollout_index=rollout.rollout_index, attempt=attempt, limits=limits,
+            count_special=count_special)
+        episode_id = server.open(capture)
+        result: Any = None
+        failure: tuple[RolloutStatus, str] | None = None
+        timeout_s = self.task.config.timeout_s
+        try:
+            async with asyncio.timeout(timeout_s) as deadline:
+                result = await self.task.agent(self.episode, server.base_url(episode_id),
+                                               server.api_key)
+        except TimeoutError as e:
+            if deadline.expired():
+                failure = (RolloutStatus.ERROR_TIMEOUT, f"agent ran past {timeout_s}s")
+            else:
+                failure = (RolloutStatus.ERROR_ENV, f"agent raised {e!r}")
+        except Exception as e:  # the agent is user code: its failure ends this rollout only
+            failure = (RolloutStatus.ERROR_ENV, f"agent raised {e!r}")
+        finally:
+            server.close(episode_id, "the agent returned")
+        if capture.infra_error is not None:
+            raise capture.infra_error
+        rollout.turns = capture.turns
+        rollout.num_drift_events = sum(t.drift for t in capture.turns)
+        if capture.status is RolloutStatus.ERROR_ABORT:
+            failure = (capture.status, capture.error or "aborted")
+        if failure is not None:
+            if capture.status is not None and failure[0] is RolloutStatus.ERROR_ENV:
+                failure = (failure[0], f"{failure[1]} after {capture.error}")
+            rollout.status, rollout.error = failure
+            logger.warning("%s: %s", rollout.session_id, rollout.error)
+            return
+        try:
+            rollout.reward = self._reward(result, rollout, credit)
+        except ValueError as e:
+            rollout.status, rollout.error = RolloutStatus.ERROR_ENV, str(e)
+            logger.warning("%s: %s", rollout.session_id, e)
+            return
+        rollout.status = capture.status or RolloutStatus.COMPLETED
+        rollout.error = capture.error
+        if rollout.status is RolloutStatus.COMPLETED and capture.turns and (
+                capture.turns[-1].finish_reason == "length"):
+            rollout.status = RolloutStatus.TRUNCATED_LENGTH
+
+    @staticmethod
+    def _reward(result: Any, rollout: Rollout, credit: str) -> float:
+        """The agent's reward (and per-call rewards onto the turns); ValueError naming what it
+        returned when that is not a finite reward."""
+        turn_rewards = None
+        if isinstance(result, tuple) and len(result) == 2:
+            result, turn_rewards = result
+        if isinstance(result, bool) or not isinstance(result, (int, float)) or not math.isfinite(
+                result):
+            raise ValueError(f"agent returned {result!r:.80}; a finite float reward (or "
+                             f"(reward, [reward per call])) expected")
+        if turn_rewards is not None:
+            values = [float(r) for r in turn_rewards]
+            if len(values) != len(rollout.turns) or not all(math.isfinite(v) for v in values):
+                raise ValueError(f"agent returned per-call rewards {values} for "
+                                 f"{len(rollout.turns)} model calls (one finite value per call "
+                                 f"expected)")
+            for turn, value in zip(rollout.turns, values):
+                turn.reward = value
+        elif credit == "turn":
+            raise ValueError("rollouter.credit = 'turn' needs the agent to return (reward, "
+                             "[reward per model call])")
+        return float(result)
