@@ -7,11 +7,12 @@ same scripted GenerateFn (each call answers the turn's correct list after ``--la
 stand-in for a generator's time per call, 0 measures the endpoint's overhead alone):
   in_process: AlphabetSortTask.make_env -> TokenEnv (the Rollouter's own loop, no HTTP);
   endpoint:   AgentTask with torchtitan_rl/examples/alphabet_sort/agent.py: the `openai` client
-              over HTTP on 127.0.0.1 to the run's endpoint, which renders, captures and generates.
-              That agent makes a client per episode, which costs ~30 ms of CPU (httpx loads the
-              CA store into a new SSL context), more than the endpoint's own work;
-  endpoint_shared_client: the same agent reusing one client per event loop
-              (``AsyncOpenAI.with_options(base_url=...)``): the endpoint's own overhead.
+              the run gives it, over HTTP on 127.0.0.1 to the run's endpoint, which renders,
+              captures and generates (the agent's client work runs in the same process, as in a
+              job, so it counts);
+  endpoint_own_client (``--own-client``): the same agent building its own ``AsyncOpenAI`` per
+              episode from ``client.base_url`` / ``client.api_key``, as an agent library given a
+              URL would: ~30 ms of CPU per episode (httpx builds an SSL context).
 ``--concurrency`` groups run at a time. Each side runs once to warm up, then ``--iters`` times;
 turns/s is the median. The lines are key=value; the last is ``ratio=<endpoint / in_process>``.
 """
@@ -36,29 +37,14 @@ from torchtitan_rl.rollout.rollouter import Rollouter  # noqa: E402
 from torchtitan_rl.types import Completion, GenerateRequest, Sampling  # noqa: E402
 
 
-_SHARED: dict[Any, Any] = {}
-
-
-async def shared_client_agent(episode: Any, base_url: str, api_key: str) -> Any:
-    """torchtitan_rl/examples/alphabet_sort/agent.py with one client per event loop."""
+async def own_client_agent(episode: Any, client: Any) -> Any:
+    """torchtitan_rl/examples/alphabet_sort/agent.py with a client of its own per episode."""
     from openai import AsyncOpenAI
 
-    from torchtitan_rl.examples.alphabet_sort.reward import alphabet_sort_reward, turn_score
+    from torchtitan_rl.examples.alphabet_sort.agent import run
 
-    loop = asyncio.get_running_loop()
-    if loop not in _SHARED:
-        _SHARED[loop] = AsyncOpenAI(base_url=base_url, api_key=api_key)
-    client = _SHARED[loop].with_options(base_url=base_url)
-    messages, replies = [], []
-    for prompt in episode.prompts:
-        messages.append({"role": "user", "content": prompt})
-        response = await client.chat.completions.create(model="policy", messages=messages)
-        reply = response.choices[0].message.content or ""
-        replies.append(reply)
-        messages.append({"role": "assistant", "content": reply})
-    truths = [list(names) for names in episode.ground_truths]
-    return (alphabet_sort_reward(replies, truths),
-            [turn_score(reply, truths[t], t, power=4) for t, reply in enumerate(replies)])
+    async with AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key) as own:
+        return await run(episode, own)
 
 
 class OracleGenerate:
@@ -115,6 +101,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--latency-ms", type=float, default=20.0)
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--own-client", action="store_true",
+                        help="also time an agent that builds its own client per episode")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -125,10 +113,11 @@ def main() -> None:
     generate = OracleGenerate(tokenizer, episodes, args.latency_ms / 1000)
     agent_task = AgentTask.Config(agent="torchtitan_rl.examples.alphabet_sort.agent:run",
                                   episodes=episodes_config).build()
-    shared_task = AgentTask.Config(agent="bench.agent_endpoint:shared_client_agent",
-                                   episodes=episodes_config).build()
-    sides = {"in_process": episodes_config.build().make_env, "endpoint": agent_task.make_env,
-             "endpoint_shared_client": shared_task.make_env}
+    own_task = AgentTask.Config(agent="bench.agent_endpoint:own_client_agent",
+                                episodes=episodes_config).build()
+    sides = {"in_process": episodes_config.build().make_env, "endpoint": agent_task.make_env}
+    if args.own_client:
+        sides["endpoint_own_client"] = own_task.make_env
     rates: dict[str, float] = {}
 
     async def run_all() -> None:
@@ -148,11 +137,12 @@ def main() -> None:
                       f"concurrency={args.concurrency * args.group_size}", flush=True)
         finally:
             await agent_task.aclose()
-            await shared_task.aclose()
+            await own_task.aclose()
 
     asyncio.run(run_all())
-    print(f"bench=agent_endpoint ratio_shared_client="
-          f"{rates['endpoint_shared_client'] / rates['in_process']:.3f}")
+    if args.own_client:
+        print(f"bench=agent_endpoint ratio_own_client="
+              f"{rates['endpoint_own_client'] / rates['in_process']:.3f}")
     print(f"ratio={rates['endpoint'] / rates['in_process']:.3f}")
 
 

@@ -23,33 +23,34 @@ CHECKS: list[tuple[str, str]] = []
 """The error answers each agent of rollout 0 saw: (unknown episode, malformed request)."""
 
 
-async def run(episode: str, base_url: str, api_key: str) -> float:
+async def run(episode: str, client: openai.AsyncOpenAI) -> float:
+    base_url = str(client.base_url)
     group, rollout = map(int, re.search(r"/episodes/g(\d+)-r(\d+)-", base_url).groups())
     calls = CALLS.setdefault((group, rollout), [])
     messages = [{"role": "user", "content": episode}]
-    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key) as client:
-        if rollout == 0:
-            await _check_errors(client, base_url, api_key)
-        for turn in range(2):
-            response = await client.chat.completions.create(
-                model="policy", messages=messages, extra_body={"return_token_ids": True})
-            choice = response.choices[0]
-            calls.append({"prompt_token_ids": response.prompt_token_ids,
-                          "token_ids": choice.token_ids, "text": choice.message.content})
-            if choice.finish_reason == "length":
-                break
-            messages += [{"role": "assistant", "content": choice.message.content},
-                         {"role": "user", "content": "Turn 2: more words:"}]
+    if rollout == 0:
+        await _check_errors(client, base_url)
+    for turn in range(2):
+        response = await client.chat.completions.create(
+            model="policy", messages=messages, extra_body={"return_token_ids": True})
+        choice = response.choices[0]
+        calls.append({"prompt_token_ids": response.prompt_token_ids,
+                      "token_ids": choice.token_ids, "text": choice.message.content})
+        if choice.finish_reason == "length":
+            break
+        messages += [{"role": "assistant", "content": choice.message.content},
+                     {"role": "user", "content": "Turn 2: more words:"}]
     if rollout == 3:
         raise RuntimeError("agent of rollout 3 fails on purpose")
     return letter_share("".join(call["text"] for call in calls))
 
 
-async def _check_errors(client: openai.AsyncOpenAI, base_url: str, api_key: str) -> None:
+async def _check_errors(client: openai.AsyncOpenAI, base_url: str) -> None:
     seen = ["no error", "no error"]
     unknown = base_url.replace("/episodes/g", "/episodes/unknown-g")
     try:
-        async with openai.AsyncOpenAI(base_url=unknown, api_key=api_key) as other:
+        # A client of its own, as an agent library given the URL and key would make.
+        async with openai.AsyncOpenAI(base_url=unknown, api_key=client.api_key) as other:
             await other.chat.completions.create(model="policy",
                                                 messages=[{"role": "user", "content": "x"}])
     except openai.NotFoundError as e:

@@ -1,6 +1,7 @@
 """Agent programs for the agent-task tests: each talks to its episode URL with the real `openai`
-client, as a user's agent would. A test names one as ``tests.rollout.agent_testlib:<name>``;
-the episode spec is LetterTask's prompt string."""
+client the run gives it, as a user's agent would; most close it (``async with client``), which
+must leave the run's connection pool to the group's other episodes. A test names one as
+``tests.rollout.agent_testlib:<name>``; the episode spec is LetterTask's prompt string."""
 
 from __future__ import annotations
 
@@ -10,16 +11,12 @@ import openai
 from openai import AsyncOpenAI
 
 
-def _client(base_url: str, api_key: str) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=base_url, api_key=api_key)
-
-
-async def three_turns(episode: str, base_url: str, api_key: str) -> tuple[float, list[float]]:
+async def three_turns(episode: str, client: AsyncOpenAI) -> tuple[float, list[float]]:
     """Three chat calls, each extending the history with the model's reply and a user message;
     reward: replies containing "yes" (per call: 1 or 0)."""
     messages = [{"role": "user", "content": episode}]
     scores = []
-    async with _client(base_url, api_key) as client:
+    async with client:
         for turn in range(3):
             response = await client.chat.completions.create(model="policy", messages=messages,
                                                             max_tokens=6)
@@ -30,9 +27,9 @@ async def three_turns(episode: str, base_url: str, api_key: str) -> tuple[float,
     return sum(scores), scores
 
 
-async def rewrites(episode: str, base_url: str, api_key: str) -> float:
+async def rewrites(episode: str, client: AsyncOpenAI) -> float:
     """Two calls; the second drops the first exchange (a rewritten history: a new branch)."""
-    async with _client(base_url, api_key) as client:
+    async with client:
         first = await client.chat.completions.create(
             model="policy", messages=[{"role": "user", "content": episode}])
         await client.chat.completions.create(
@@ -40,17 +37,17 @@ async def rewrites(episode: str, base_url: str, api_key: str) -> float:
     return float("yes" in (first.choices[0].message.content or ""))
 
 
-async def completes(episode: str, base_url: str, api_key: str) -> float:
+async def completes(episode: str, client: AsyncOpenAI) -> float:
     """One /v1/completions call with token ids, one with a string."""
-    async with _client(base_url, api_key) as client:
+    async with client:
         by_ids = await client.completions.create(model="policy", prompt=[5, 6, 7], max_tokens=4)
         by_text = await client.completions.create(model="policy", prompt=episode)
     return float("yes" in by_ids.choices[0].text) + float("yes" in by_text.choices[0].text)
 
 
-async def raises_on_no(episode: str, base_url: str, api_key: str) -> float:
+async def raises_on_no(episode: str, client: AsyncOpenAI) -> float:
     """Raises when the model's reply holds no "yes"."""
-    async with _client(base_url, api_key) as client:
+    async with client:
         response = await client.chat.completions.create(
             model="policy", messages=[{"role": "user", "content": episode}])
     if "yes" not in (response.choices[0].message.content or ""):
@@ -58,10 +55,10 @@ async def raises_on_no(episode: str, base_url: str, api_key: str) -> float:
     return 1.0
 
 
-async def until_refused(episode: str, base_url: str, api_key: str) -> float:
+async def until_refused(episode: str, client: AsyncOpenAI) -> float:
     """Calls until the endpoint refuses (turn cap): returns the number of answered calls."""
     answered = 0
-    async with _client(base_url, api_key) as client:
+    async with client:
         while True:
             try:
                 await client.chat.completions.create(
@@ -71,16 +68,21 @@ async def until_refused(episode: str, base_url: str, api_key: str) -> float:
             answered += 1
 
 
-async def hangs(episode: str, base_url: str, api_key: str) -> float:
+async def hangs(episode: str, client: AsyncOpenAI) -> float:
     """Never returns: only the task's timeout ends it."""
     await asyncio.Event().wait()
     return 0.0
 
 
-async def returns_text(episode: str, base_url: str, api_key: str) -> str:
+async def returns_text(episode: str, client: AsyncOpenAI) -> str:
     """Returns no reward."""
     return "done"
 
 
-def not_async(episode: str, base_url: str, api_key: str) -> float:
+def not_async(episode: str, client: AsyncOpenAI) -> float:
+    return 0.0
+
+
+async def old_signature(episode: str, base_url: str, api_key: str) -> float:
+    """The first slice's (episode, base_url, api_key): refused at load, naming the signature."""
     return 0.0

@@ -212,6 +212,8 @@ def test_agent_task_config_errors_name_the_key() -> None:
         AgentTask.Config(agent=f"{AGENTS}:nope", episodes=letters).build()
     with pytest.raises(ConfigError, match="an `async def` function expected"):
         AgentTask.Config(agent=f"{AGENTS}:not_async", episodes=letters).build()
+    with pytest.raises(ConfigError, match=r"it must take \(episode, client\)"):
+        AgentTask.Config(agent=f"{AGENTS}:old_signature", episodes=letters).build()
     with pytest.raises(ConfigError, match="task.episodes.type: name the task"):
         AgentTask.Config(agent=f"{AGENTS}:hangs").build()
     with pytest.raises(ValueError, match="timeout_s must be > 0 or None, got 0"):

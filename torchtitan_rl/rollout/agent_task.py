@@ -3,17 +3,22 @@ OpenAI-compatible endpoint, not by a MessageEnv.
 
     [task]
     type = "torchtitan_rl.rollout.agent_task:AgentTask"
-    agent = "torchtitan_rl.examples.alphabet_sort.agent:run"   # async def run(episode, base_url, api_key)
+    agent = "torchtitan_rl.examples.alphabet_sort.agent:run"   # async def run(episode, client)
     [task.episodes]                                          # the task whose episode specs it plays
     type = "torchtitan_rl.examples.alphabet_sort:AlphabetSortTask"
 
     Rollouter.run_single_rollout: env = task.make_env(spec) -> an AgentEnv -> env.play(...):
         EpisodeCapture(generate_fn, seeds, limits) --open--> EpisodeServer -> base_url
-        reward = await agent(spec, base_url, api_key)        (any OpenAI client, any number of calls)
+        client = the run's AsyncOpenAI .with_options(base_url)  (one connection pool per run)
+        reward = await agent(spec, client)                  (any number of calls; client.base_url
+                                                             and client.api_key for other clients)
         EpisodeServer.close(id) -> Rollout(turns = the captured calls, status, reward)
 
 The endpoint starts with the first rollout, in the event loop the rollouts run in, and stops with
-``aclose()`` (RunParts.close). The agent returns the reward, or (reward, [one reward per call])
+``aclose()`` (RunParts.close). The agent gets an ``openai.AsyncOpenAI`` already pointed at its
+episode: a copy of one client per run, so an episode costs no client construction (~30 ms of CPU:
+httpx builds an SSL context) and its calls reuse the run's kept-alive connections. Closing it (``async
+with client``) leaves the run's connections open. The agent returns the reward, or (reward, [one reward per call])
 for per-turn credit (rollouter.credit = "turn"). An agent that raises ends its rollout ERROR_ENV,
 one that runs past ``timeout_s`` ERROR_TIMEOUT, as MessageEnv errors do; a GenerateFn that raises
 under a call fails the whole group, as in MessageEnv rollouts.
@@ -40,7 +45,7 @@ from torchtitan_rl.types import GenerateFn, Sampling
 
 logger = logging.getLogger(__name__)
 
-Agent = Callable[[Any, str, str], Awaitable[Any]]
+Agent = Callable[[Any, Any], Awaitable[Any]]
 
 
 def load_agent(path: str) -> Agent:
@@ -55,10 +60,10 @@ def load_agent(path: str) -> Agent:
     if not inspect.iscoroutinefunction(function):
         raise ConfigError(f"task.agent = {path!r}: an `async def` function expected")
     try:
-        inspect.signature(function).bind("episode", "base_url", "api_key")
+        inspect.signature(function).bind("episode", "client")
     except TypeError as e:
-        raise ConfigError(f"task.agent = {path!r}: it must take (episode, base_url, api_key): "
-                          f"{e}") from e
+        raise ConfigError(f"task.agent = {path!r}: it must take (episode, client), the client an "
+                          f"openai.AsyncOpenAI for the episode: {e}") from e
     return function
 
 
@@ -68,9 +73,10 @@ class AgentTask(Configurable):
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(TaskConfig):
         agent: str = ""
-        """The agent, ``package.module:function``: ``async def run(episode, base_url, api_key)``
-        returning the reward (or (reward, [reward per model call]) for per-turn credit). It
-        talks to ``base_url`` with any OpenAI client, key ``api_key``."""
+        """The agent, ``package.module:function``: ``async def run(episode, client)`` returning
+        the reward (or (reward, [reward per model call]) for per-turn credit). ``client`` is an
+        ``openai.AsyncOpenAI`` for this episode; another client can use ``str(client.base_url)``
+        and ``client.api_key``."""
         episodes: TaskConfig = dataclasses.field(default_factory=TaskConfig)
         """The task whose train and validation episode specs the agent plays (its `type` and
         settings); its environment is not used. Its solved conversations feed the warm start."""
@@ -157,8 +163,7 @@ class AgentEnv:
         timeout_s = self.task.config.timeout_s
         try:
             async with asyncio.timeout(timeout_s) as deadline:
-                result = await self.task.agent(self.episode, server.base_url(episode_id),
-                                               server.api_key)
+                result = await self.task.agent(self.episode, server.client(episode_id))
         except TimeoutError as e:
             if deadline.expired():
                 failure = (RolloutStatus.ERROR_TIMEOUT, f"agent ran past {timeout_s}s")

@@ -6,18 +6,17 @@ from openai import AsyncOpenAI
 from torchtitan_rl.examples.alphabet_sort.reward import alphabet_sort_reward, turn_score
 
 
-async def run(episode, base_url: str, api_key: str) -> tuple[float, list[float]]:
+async def run(episode, client: AsyncOpenAI) -> tuple[float, list[float]]:
     """The reward, and each turn's own score (for rollouter.credit = "turn")."""
     messages, replies = [], []
-    async with AsyncOpenAI(base_url=base_url, api_key=api_key) as client:
-        for prompt in episode.prompts:
-            messages.append({"role": "user", "content": prompt})
-            response = await client.chat.completions.create(model="policy", messages=messages)
-            reply = response.choices[0].message.content or ""
-            replies.append(reply)
-            messages.append({"role": "assistant", "content": reply})
-            if response.choices[0].finish_reason == "length":  # cut off: the episode ends
-                break
+    for prompt in episode.prompts:
+        messages.append({"role": "user", "content": prompt})
+        response = await client.chat.completions.create(model="policy", messages=messages)
+        reply = response.choices[0].message.content or ""
+        replies.append(reply)
+        messages.append({"role": "assistant", "content": reply})
+        if response.choices[0].finish_reason == "length":  # cut off: the episode ends
+            break
     truths = [list(names) for names in episode.ground_truths]
     return (alphabet_sort_reward(replies, truths),
             [turn_score(reply, truths[t], t, power=4) for t, reply in enumerate(replies)])
