@@ -6,6 +6,7 @@ must leave the run's connection pool to the group's other episodes. A test names
 from __future__ import annotations
 
 import asyncio
+import json
 
 import openai
 from openai import AsyncOpenAI
@@ -86,3 +87,31 @@ def not_async(episode: str, client: AsyncOpenAI) -> float:
 async def old_signature(episode: str, base_url: str, api_key: str) -> float:
     """The first slice's (episode, base_url, api_key): refused at load, naming the signature."""
     return 0.0
+
+
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "description": "Adds two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                    "b": {"type": "integer"}}}}}
+TOOL_REPLIES: list[dict] = []
+"""What the tool agents were sent on their first call: the assistant message and finish_reason."""
+
+
+async def uses_a_tool(episode: str, client: AsyncOpenAI) -> float:
+    """Offers the `add` tool, runs the call the model makes, sends the result back (a `tool`
+    message) with the model's message as the client returned it; reward: 1 when the model then
+    answers without a tool call."""
+    messages = [{"role": "user", "content": episode}]
+    first = await client.chat.completions.create(model="policy", messages=messages,
+                                                 tools=[ADD_TOOL])
+    message = first.choices[0].message
+    TOOL_REPLIES.append({"message": message.model_dump(exclude_none=True),
+                         "finish_reason": first.choices[0].finish_reason})
+    messages.append(message.model_dump(exclude_none=True))
+    for call in message.tool_calls or []:
+        args = json.loads(call.function.arguments)
+        messages.append({"role": "tool", "tool_call_id": call.id,
+                         "content": str(args["a"] + args["b"])})
+    second = await client.chat.completions.create(model="policy", messages=messages,
+                                                  tools=[ADD_TOOL])
+    return float(not second.choices[0].message.tool_calls)

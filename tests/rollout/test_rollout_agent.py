@@ -289,6 +289,10 @@ def test_endpoint_answers_bad_keys_unknown_ended_and_malformed_requests() -> Non
                 assert not capture.turns  # no malformed request reached the generator
                 r = await http.get(url + "/models", headers=auth)
                 assert r.status_code == 200 and r.json()["data"][0]["id"] == "policy"
+                r = await http.get(url + "/chat/completions", headers=auth)
+                assert r.status_code == 405 and "POST expected" in r.json()["error"]["message"]
+                r = await http.get(url.replace("/v1", "/v2") + "/models", headers=auth)
+                assert r.status_code == 404 and "no route" in r.json()["error"]["message"]
 
                 client = openai.AsyncOpenAI(base_url=url, api_key=server.api_key)
                 reply = await client.chat.completions.create(model="policy", **{
@@ -340,3 +344,54 @@ def test_the_agents_guide_shows_the_agent_as_it_is() -> None:
     [block] = re.findall(rf"`{re.escape(path)}`\n```python\n(.*?)```", doc, re.S)
     assert block == (root / path).read_text()
     assert "docs/agents.md" in (root / "README.md").read_text()
+
+
+def test_tool_calls_come_back_parsed_and_tool_results_are_environment_tokens() -> None:
+    """With task.tool_parser = "hermes", a reply holding a <tool_call> block reaches the agent as
+    OpenAI tool_calls; the agent's `tool` message continues the same sample, unmasked."""
+    from tests.rollout import agent_testlib
+
+    agent_testlib.TOOL_REPLIES.clear()
+    call_text = ('Let me add.<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 40}}\n'
+                 '</tool_call>')
+
+    def reply(rid: str, _: list[int]) -> str:
+        return call_text if rid.endswith("turn=0") else "It is 42."
+
+    group, gen = _play("uses_a_tool", reply, sampling=Sampling(max_tokens=64, seed=1),
+                       task_overrides={"tool_parser": "hermes"})
+    assert [r.status for r in group.rollouts] == [RolloutStatus.COMPLETED] * 4
+    assert group.rewards == [1.0] * 4
+    assert len(agent_testlib.TOOL_REPLIES) == 4
+    ids = []
+    for first in agent_testlib.TOOL_REPLIES:
+        assert first["finish_reason"] == "tool_calls"
+        assert first["message"]["content"] == "Let me add."
+        [call] = first["message"]["tool_calls"]
+        assert call["type"] == "function" and call["id"]
+        assert call["function"] == {"name": "add", "arguments": '{"a": 2, "b": 40}'}
+        ids.append(call["id"])
+    tokenizer = tiny_tokenizer()
+    for sample, rollout in zip(rollout_group_to_training_samples(group), group.rollouts):
+        first_turn, second_turn = rollout.turns
+        assert rollout.num_drift_events == 0
+        # one sample: the second prompt continues the first call's generated ids
+        head = first_turn.prompt_token_ids + first_turn.completion_token_ids
+        assert second_turn.prompt_token_ids[: len(head)] == head
+        [tool_message] = first_turn.env_messages
+        assert tool_message["role"] == "tool" and tool_message["content"] == "42"
+        assert tool_message["tool_call_id"] in ids
+        trained = [tok for tok, m in zip(sample.token_ids, sample.loss_mask) if m]
+        assert trained == first_turn.completion_token_ids + second_turn.completion_token_ids
+        assert "<tool_call>" in tokenizer.decode(first_turn.completion_token_ids)
+        env_text = tokenizer.decode([tok for tok, m in zip(sample.token_ids, sample.loss_mask)
+                                     if not m])
+        assert "42" in env_text and "<tool_call>" not in env_text
+    assert len(gen.calls) == 8
+
+
+def test_unknown_tool_parser_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="task.tool_parser = 'nope': not one of vLLM's tool "
+                                          "parsers .*'hermes'"):
+        AgentTask.Config(agent=f"{AGENTS}:three_turns", tool_parser="nope",
+                         episodes=LetterTask.Config(num_prompts=2)).build()

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from torchtitan_rl.rollout.agent_tools import ToolCalls, same_reply
 from torchtitan_rl.rollout.types import RolloutStatus, RolloutTurn, request_id, session_id
 from torchtitan_rl.types import Completion, GenerateFn, GenerateRequest, Sampling
 
@@ -58,6 +59,9 @@ class _ChatState:
     prompt_ids: list[int]
     completion_ids: list[int]
     reply: str
+    """The reply's text as generated (tool calls unparsed): what continuing renders."""
+    message: dict[str, Any]
+    """The assistant message the agent was sent (content, parsed tool calls)."""
     turn: RolloutTurn
 
 
@@ -66,8 +70,10 @@ class EpisodeCapture:
 
     def __init__(self, *, generate_fn: GenerateFn, tokenizer: Any, sampling: Sampling,
                  base_seed: int, group_id: int, rollout_index: int, attempt: int,
-                 limits: EpisodeLimits, count_special: Callable[[list[int], str], int]) -> None:
+                 limits: EpisodeLimits, count_special: Callable[[list[int], str], int],
+                 tool_calls: ToolCalls | None = None) -> None:
         self._generate_fn = generate_fn
+        self._tool_calls = tool_calls
         self.tokenizer = tokenizer
         self._sampling = sampling
         self._base_seed = base_seed
@@ -92,18 +98,23 @@ class EpisodeCapture:
 
     async def chat(self, messages: list[dict[str, Any]],
                    tools: list[dict[str, Any]] | None = None,
-                   max_tokens: int | None = None) -> tuple[Completion, str]:
-        """Generate the assistant reply to ``messages`` (normalised OpenAI messages)."""
+                   max_tokens: int | None = None) -> tuple[Completion, dict[str, Any]]:
+        """Generate the assistant reply to ``messages`` (normalised OpenAI messages): the
+        completion and the assistant message for the agent (tool calls parsed when ``tools``
+        are offered and the episode has a tool parser)."""
         self._check_open()
         prompt_ids, previous, drift = self._chat_prompt(messages, tools)
         completion, text, turn = await self._generate(prompt_ids, max_tokens)
         if previous is not None:  # this call continued the previous one
             previous.turn.env_messages = [dict(m) for m in messages[len(previous.messages) + 1:]]
             previous.turn.drift = drift
+        message = {"role": "assistant", "content": text}
+        if tools and self._tool_calls is not None:
+            message = self._tool_calls.parse(text, tools)
         self._last_chat = _ChatState(messages=list(messages), tools=tools, prompt_ids=prompt_ids,
                                      completion_ids=list(completion.token_ids), reply=text,
-                                     turn=turn)
-        return completion, text
+                                     message=message, turn=turn)
+        return completion, message
 
     async def complete(self, prompt_ids: list[int],
                        max_tokens: int | None = None) -> tuple[Completion, str]:
@@ -219,10 +230,16 @@ class EpisodeCapture:
         except Exception as e:  # a template that rejects the conversation (e.g. role order)
             raise EpisodeError(400, f"the model's chat template cannot render these messages: "
                                     f"{e}", param="messages") from e
-        full_ids = self._encode(full_text)
         previous = self._last_chat
         if previous is None or not self._extends(previous, messages, tools):
-            return full_ids, None, False
+            return self._encode(full_text), None, False
+        if previous.message.get("tool_calls"):
+            # Render the reply as generated, not from its parsed tool calls: the template's
+            # rendering of the JSON need not be the model's text.
+            messages = list(messages)
+            messages[len(previous.messages)] = {"role": "assistant", "content": previous.reply}
+            full_text = self._render(messages, tools, add_generation_prompt=True)
+        full_ids = self._encode(full_text)
         prefix = previous.prompt_ids + previous.completion_ids
         drift = full_ids[: len(prefix)] != prefix
         history = messages[: len(previous.messages) + 1]
@@ -240,7 +257,7 @@ class EpisodeCapture:
         n = len(previous.messages)
         if tools != previous.tools or len(messages) <= n or messages[:n] != previous.messages:
             return False
-        return messages[n] == {"role": "assistant", "content": previous.reply}
+        return same_reply(previous.message, messages[n])
 
     def _tail_text(self, previous: _ChatState, history: list[dict[str, Any]], full_text: str,
                    tools: list[dict[str, Any]] | None) -> str | None:

@@ -195,21 +195,26 @@ def _with_token_ids(body: dict[str, Any], completion: Completion, wanted: bool
     return body
 
 
-def chat_response(request: ChatRequest, completion: Completion, text: str,
+def chat_response(request: ChatRequest, completion: Completion, message: dict[str, Any],
                   tokenizer: Any) -> dict[str, Any]:
+    """``message``: the assistant message (EpisodeCapture.chat); a reply that calls tools ends
+    with finish_reason "tool_calls", as OpenAI's (unless it was cut off: "length")."""
     logprobs = None
     if request.logprobs:
         logprobs = {"content": [
             {"token": tokenizer.decode([t]), "logprob": _finite(lp), "bytes": None,
              "top_logprobs": []}
             for t, lp in zip(completion.token_ids, completion.token_logprobs)]}
+    finish_reason = completion.finish_reason
+    if message.get("tool_calls") and finish_reason == "stop":
+        finish_reason = "tool_calls"
     return _with_token_ids({
         "id": f"chatcmpl-{completion.request_id}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": request.model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": completion.finish_reason, "logprobs": logprobs}],
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
+                     "logprobs": logprobs}],
         "usage": _usage(completion),
     }, completion, request.return_token_ids)
 

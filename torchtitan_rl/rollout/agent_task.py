@@ -39,6 +39,7 @@ from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.rollout.agent_capture import EpisodeCapture, EpisodeLimits
 from torchtitan_rl.rollout.agent_server import EpisodeServer
+from torchtitan_rl.rollout.agent_tools import ToolCalls, load_tool_parser
 from torchtitan_rl.rollout.types import Rollout, RolloutStatus
 from torchtitan_rl.task import Split, TaskConfig
 from torchtitan_rl.types import GenerateFn, Sampling
@@ -87,6 +88,10 @@ class AgentTask(Configurable):
         """Address the endpoint binds; 127.0.0.1 keeps it on this machine."""
         port: int = 0
         """Port the endpoint binds; 0 picks a free one."""
+        tool_parser: str = ""
+        """vLLM's tool parser for the model's template (``hermes`` for Qwen3): a chat reply to a
+        request with ``tools`` comes back with its tool calls parsed (``message.tool_calls``,
+        finish_reason "tool_calls"). "": none, the reply's text as generated."""
 
         def warm_start_config(self) -> TaskConfig:
             return self.episodes  # the warm start trains on its solved conversations
@@ -104,6 +109,7 @@ class AgentTask(Configurable):
                               "\"torchtitan_rl.examples.alphabet_sort:AlphabetSortTask\"")
         self.config = config
         self.agent = load_agent(config.agent)
+        self._tool_parser = load_tool_parser(config.tool_parser) if config.tool_parser else None
         self.episodes = config.episodes.build()
         self._server: EpisodeServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -156,7 +162,9 @@ class AgentEnv:
             generate_fn=generate_fn, tokenizer=tokenizer, sampling=sampling,
             base_seed=base_seed, group_id=rollout.group_id,
             rollout_index=rollout.rollout_index, attempt=attempt, limits=limits,
-            count_special=count_special)
+            count_special=count_special,
+            tool_calls=(ToolCalls(self.task._tool_parser, tokenizer)
+                        if self.task._tool_parser is not None else None))
         episode_id = server.open(capture)
         result: Any = None
         failure: tuple[RolloutStatus, str] | None = None

@@ -1,0 +1,84 @@
+"""Tool calls of an agent episode: the model's reply parsed into OpenAI ``tool_calls`` with vLLM's
+tool parser for the model's template, and the agent's echo of that reply recognised.
+
+    reply text (decoded from the generated tokens) --ToolCalls.parse--> assistant message
+        {"role": "assistant", "content": text before the calls or None,
+         "tool_calls": [{"id", "type": "function", "function": {"name", "arguments": JSON str}}]}
+    next call's messages[n] --same_reply(sent message)--> True: the call extends the previous one
+
+The parser only shapes what the agent reads. What is trained is the generated tokens themselves:
+the capture renders the previous reply as its raw text (``<tool_call>...`` as generated) when it
+continues the conversation, so the tool call is never re-rendered from the parsed JSON.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.rollout.agent_requests import RequestError
+
+logger = logging.getLogger(__name__)
+
+
+def load_tool_parser(name: str) -> type:
+    """vLLM's tool parser class registered as ``name`` (ConfigError naming task.tool_parser)."""
+    from vllm.tool_parsers import ToolParserManager  # imports vLLM: only when tools are parsed
+
+    try:
+        return ToolParserManager.get_tool_parser(name)
+    except KeyError as e:
+        raise ConfigError(f"task.tool_parser = {name!r}: not one of vLLM's tool parsers "
+                          f"{sorted(ToolParserManager.list_registered())}") from e
+
+
+class ToolCalls:
+    """Parses replies with one vLLM tool parser (a new parser object per reply: a parser keeps
+    streaming state, and building one is cheap)."""
+
+    def __init__(self, parser_class: type, tokenizer: Any) -> None:
+        self._parser_class = parser_class
+        self._tokenizer = tokenizer
+
+    def parse(self, text: str, tools: list[dict[str, Any]]) -> dict[str, Any]:
+        """The assistant message for reply ``text`` to a request that offered ``tools``."""
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionRequest,
+            ChatCompletionToolsParam,
+        )
+
+        try:
+            params = [ChatCompletionToolsParam.model_validate(tool) for tool in tools]
+        except ValueError as e:
+            raise RequestError("tools", f"not OpenAI function tools: {e}") from e
+        # Some parsers read the offered tools from the request (names, argument schemas).
+        request = ChatCompletionRequest.model_construct(messages=[], tools=params,
+                                                        tool_choice="auto")
+        info = self._parser_class(self._tokenizer, params).extract_tool_calls(text, request)
+        if not info.tools_called:
+            return {"role": "assistant", "content": text}
+        calls = [{"id": call.id, "type": "function",
+                  "function": {"name": call.function.name, "arguments": call.function.arguments}}
+                 for call in info.tool_calls]
+        logger.debug("reply parsed into %d tool call(s)", len(calls))
+        return {"role": "assistant", "content": info.content or None, "tool_calls": calls}
+
+
+def _calls(message: dict[str, Any]) -> list[tuple[Any, Any, Any]]:
+    out = []
+    for call in message.get("tool_calls") or []:
+        call = call if isinstance(call, dict) else {}
+        function = call.get("function") if isinstance(call.get("function"), dict) else {}
+        out.append((call.get("id"), function.get("name"), function.get("arguments")))
+    return out
+
+
+def same_reply(sent: dict[str, Any], got: Any) -> bool:
+    """True when ``got`` (a message of the agent's next call) repeats the assistant message the
+    agent was sent: same text (None and "" alike) and the same tool calls (id, name, arguments);
+    other keys a client adds (``refusal``, ``annotations``) do not matter."""
+    if not isinstance(got, dict) or got.get("role") != "assistant":
+        return False
+    return (got.get("content") or "") == (sent.get("content") or "") and _calls(got) == _calls(
+        sent)
