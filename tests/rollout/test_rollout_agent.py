@@ -253,6 +253,11 @@ def test_endpoint_answers_bad_keys_unknown_ended_and_malformed_requests() -> Non
         episode = server.open(capture)
         url = server.base_url(episode)
         assert url == f"http://127.0.0.1:{server.port}/episodes/{episode}/v1"
+        # a TCP socket by its proto, so asyncio sets TCP_NODELAY on each connection (else every
+        # response's body waits ~40 ms for the client's delayed ACK)
+        import socket
+
+        assert server._sock.proto == socket.IPPROTO_TCP
         auth = {"Authorization": f"Bearer {server.api_key}"}
         good = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
         try:

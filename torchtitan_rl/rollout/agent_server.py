@@ -84,6 +84,7 @@ class EpisodeServer:
         self._server: Any = None
         self._serving: asyncio.Task | None = None
         self._client: Any = None  # the run's openai.AsyncOpenAI, made on first use
+        self._sock: socket.socket | None = None  # the listening socket
 
     # ---- lifecycle ----
 
@@ -96,11 +97,16 @@ class EpisodeServer:
             def capture_signals(self) -> contextlib.AbstractContextManager[None]:
                 return contextlib.nullcontext()
 
-        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
+        # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say they are TCP (an
+        # accepted socket copies the listener's proto); with Nagle on, a response's body waits
+        # for the client's delayed ACK of its headers, ~40 ms per call.
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET,
+                             socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self._requested_port))
         sock.listen(1024)
         self.port = sock.getsockname()[1]
+        self._sock = sock
         # interface: uvicorn's guess takes a bound method for ASGI2; proxy headers: bound to
         # the agents' host, no proxy in between.
         config = uvicorn.Config(self._asgi, interface="asgi3", log_level="warning",
@@ -176,11 +182,14 @@ class EpisodeServer:
             return
         path, method = scope["path"], scope["method"]
         status, body = await self._route(path, method, scope, receive)
-        headers = [(b"content-type", b"application/json")]
+        data = json.dumps(body).encode()
+        # content-length: else uvicorn answers chunked, one more write per response.
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(data)).encode())]
         if status >= 400:
             headers.append((b"x-should-retry", b"false"))
         await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+        await send({"type": "http.response.body", "body": data})
 
     async def _route(self, path: str, method: str, scope: dict[str, Any], receive: Any
                      ) -> tuple[int, dict[str, Any]]:
