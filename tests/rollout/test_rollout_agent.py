@@ -400,3 +400,32 @@ def test_unknown_tool_parser_is_a_config_error() -> None:
                                           "parsers .*'hermes'"):
         AgentTask.Config(agent=f"{AGENTS}:three_turns", tool_parser="nope",
                          episodes=LetterTask.Config(num_prompts=2)).build()
+
+
+def test_tools_reach_the_chat_template_and_bad_tools_are_a_400_before_generating() -> None:
+    import copy
+
+    from tests.rollout.agent_testlib import ADD_TOOL
+    from torchtitan_rl.rollout.agent_capture import EpisodeCapture, EpisodeLimits
+    from torchtitan_rl.rollout.agent_requests import RequestError
+    from torchtitan_rl.rollout.agent_tools import ToolCalls, load_tool_parser
+
+    # the tiny model's template ignores tools; one that prints them shows what it was given
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.chat_template = ("{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
+                               + tokenizer.chat_template)
+    gen = ScriptedGenerate(lambda rid, _: "no tools needed")
+    capture = EpisodeCapture(
+        generate_fn=gen, tokenizer=tokenizer, sampling=Sampling(max_tokens=32), base_seed=0,
+        group_id=1, rollout_index=0, attempt=0,
+        limits=EpisodeLimits(max_turns=4, max_rollout_tokens=256),
+        count_special=lambda ids, finish: 0,
+        tool_calls=ToolCalls(load_tool_parser("hermes"), tokenizer))
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(RequestError, match=r"tools\[1\]: not an OpenAI function tool"):
+        run(capture.chat(messages, [ADD_TOOL, {"type": "function"}]))
+    assert not gen.calls  # refused before generating
+    _, message = run(capture.chat(messages, [ADD_TOOL]))
+    assert message == {"role": "assistant", "content": "no tools needed"}  # no call to parse
+    prompt = tokenizer.decode(gen.calls[0].prompt_token_ids)
+    assert prompt.startswith("<tools>") and '"name": "add"' in prompt

@@ -103,14 +103,16 @@ class EpisodeCapture:
         completion and the assistant message for the agent (tool calls parsed when ``tools``
         are offered and the episode has a tool parser)."""
         self._check_open()
+        parsing = bool(tools) and self._tool_calls is not None
+        params = self._tool_calls.validate(tools) if parsing else []
         prompt_ids, previous, drift = self._chat_prompt(messages, tools)
         completion, text, turn = await self._generate(prompt_ids, max_tokens)
         if previous is not None:  # this call continued the previous one
             previous.turn.env_messages = [dict(m) for m in messages[len(previous.messages) + 1:]]
             previous.turn.drift = drift
         message = {"role": "assistant", "content": text}
-        if tools and self._tool_calls is not None:
-            message = self._tool_calls.parse(text, tools)
+        if parsing:
+            message = self._tool_calls.parse(text, params)
         self._last_chat = _ChatState(messages=list(messages), tools=tools, prompt_ids=prompt_ids,
                                      completion_ids=list(completion.token_ids), reply=text,
                                      message=message, turn=turn)

@@ -41,17 +41,25 @@ class ToolCalls:
         self._parser_class = parser_class
         self._tokenizer = tokenizer
 
-    def parse(self, text: str, tools: list[dict[str, Any]]) -> dict[str, Any]:
-        """The assistant message for reply ``text`` to a request that offered ``tools``."""
-        from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionRequest,
-            ChatCompletionToolsParam,
-        )
+    @staticmethod
+    def validate(tools: list[dict[str, Any]]) -> list[Any]:
+        """vLLM's tool objects for ``tools``; RequestError naming ``tools[i]`` for one that is not
+        an OpenAI function tool (checked before generating: a bad request costs no call)."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
 
-        try:
-            params = [ChatCompletionToolsParam.model_validate(tool) for tool in tools]
-        except ValueError as e:
-            raise RequestError("tools", f"not OpenAI function tools: {e}") from e
+        params = []
+        for i, tool in enumerate(tools):
+            try:
+                params.append(ChatCompletionToolsParam.model_validate(tool))
+            except ValueError as e:
+                raise RequestError(f"tools[{i}]", f"not an OpenAI function tool: {e}") from e
+        return params
+
+    def parse(self, text: str, params: list[Any]) -> dict[str, Any]:
+        """The assistant message for reply ``text`` to a request that offered the tools
+        ``params`` (from ``validate``)."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
         # Some parsers read the offered tools from the request (names, argument schemas).
         request = ChatCompletionRequest.model_construct(messages=[], tools=params,
                                                         tool_choice="auto")
