@@ -38,12 +38,13 @@ SEQ_LEN = 128
 def test_agent_job_trains_exactly_the_generated_tokens(tmp_path: pathlib.Path) -> None:
     letter_agent.CALLS.clear()
     letter_agent.CHECKS.clear()
+    letter_agent.TOOL_CALLS.clear()
     batch_log = tmp_path / "trainer_batches.jsonl"
     base = tiny_job(tmp_path, "agent", num_steps=NUM_STEPS)
     config = dataclasses.replace(
         base,
         task=AgentTask.Config(agent="tests.controller.letter_agent:run",
-                              episodes=LetterTask.Config()),
+                              episodes=LetterTask.Config(), tool_parser="hermes"),
         rollouter=Rollouter.Config(group_size=4, max_turns=2, max_rollout_tokens=SEQ_LEN),
         sampling=Sampling(max_tokens=12, stop_token_ids=STOP_TOKEN_IDS),
         generator=Generator.Config(max_model_len=SEQ_LEN, kv_cache_bytes=32 << 20),
@@ -68,7 +69,7 @@ def test_agent_job_trains_exactly_the_generated_tokens(tmp_path: pathlib.Path) -
                for line in (run_dir / "trained_samples.jsonl").read_text().splitlines()}
     metrics = read_metrics(run_dir)
     assert sorted(received) == sorted(trained) == list(range(NUM_STEPS))
-    num_two_call_samples = 0
+    num_two_call_samples = num_tool_samples = 0
     for step in range(NUM_STEPS):
         assert sorted(received[step]) == list(range(len(trained[step])))
         assert metrics[step]["rollout/status/error_env"] > 0  # rollout 3's agent raised
@@ -93,6 +94,9 @@ def test_agent_job_trains_exactly_the_generated_tokens(tmp_path: pathlib.Path) -
                 assert mask[begin:begin + len(call["token_ids"])] == [1] * len(call["token_ids"])
                 start = begin + len(call["token_ids"])
             num_two_call_samples += len(calls) == 2
+            num_tool_samples += len(calls) == 2 and rollout == 1
             num_valid += len(last["token_ids"]) + sum(len(c["token_ids"]) for c in calls[:-1])
         assert metrics[step]["loss/num_valid_tokens"] == num_valid, step
     assert num_two_call_samples > 0
+    # rollout 1's tool result continued its sample (checked above like every other sample)
+    assert letter_agent.TOOL_CALLS and num_tool_samples > 0
