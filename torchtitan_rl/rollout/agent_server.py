@@ -8,8 +8,8 @@
                    -> OpenAI-format JSON
     AgentEnv --close(id)--> EpisodeServer (later calls: 409; calls in flight cancelled)
 
-uvicorn serves a plain ASGI app (``_asgi``) as a task of the event loop that runs the rollouts (the
-controller's), so a request calls the run's GenerateFn where it lives, with no thread hop. The
+uvicorn serves a plain ASGI app (``_asgi``) as a task of the event loop that runs the rollouts
+(the controller's), so a request calls the run's GenerateFn where it lives, with no thread hop. The
 socket is bound before serving starts: the port is known at once and a client that connects
 early waits in the listen backlog. Error answers carry ``x-should-retry: false``: the ``openai``
 client would otherwise retry 409s and 5xxs, and an episode's refusal is final.
