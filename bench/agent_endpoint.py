@@ -14,7 +14,8 @@ stand-in for a generator's time per call, 0 measures the endpoint's overhead alo
               episode from ``client.base_url`` / ``client.api_key``, as an agent library given a
               URL would: ~30 ms of CPU per episode (httpx builds an SSL context).
 ``--concurrency`` groups run at a time. Each side runs once to warm up, then ``--iters`` times;
-turns/s is the median (figures on 2 shared cores: docs/agents.md, "Overhead"). The lines are key=value; the last is ``ratio=<endpoint / in_process>``.
+turns/s is the median (figures on 2 shared cores: docs/agents.md, "Overhead"). The lines are
+key=value; the last is ``ratio=<endpoint / in_process>``.
 """
 
 from __future__ import annotations

@@ -19,9 +19,10 @@ The endpoint starts with the first rollout, in the event loop the rollouts run i
 episode: a copy of one client per run, so an episode costs no client construction (~30 ms of
 CPU: httpx builds an SSL context) and its calls reuse the run's kept-alive connections. Closing
 it (``async with client``) leaves the run's connections open. The agent returns the reward, or
-(reward, [one reward per call]) for per-turn credit (rollouter.credit = "turn"). An agent that raises ends its rollout ERROR_ENV,
-one that runs past ``timeout_s`` ERROR_TIMEOUT, as MessageEnv errors do; a GenerateFn that raises
-under a call fails the whole group, as in MessageEnv rollouts.
+(reward, [one reward per call]) for per-turn credit (rollouter.credit = "turn"). An agent that
+raises ends its rollout ERROR_ENV, one that runs past ``timeout_s`` ERROR_TIMEOUT, as MessageEnv
+errors do; a GenerateFn that raises under a call fails the whole group, as in MessageEnv
+rollouts.
 """
 
 from __future__ import annotations
