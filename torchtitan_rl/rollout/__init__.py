@@ -16,7 +16,7 @@ from torchtitan_rl.rollout.packing import (
     split_branches,
 )
 from torchtitan_rl.rollout.recorder import RolloutRecorder
-from torchtitan_rl.rollout.rollouter import Rollouter, request_seed
+from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.rollout.token_env import TokenEnv, TokenEnvStep
 from torchtitan_rl.rollout.types import (
     Rollout,
@@ -24,6 +24,7 @@ from torchtitan_rl.rollout.types import (
     RolloutStatus,
     RolloutTurn,
     request_id,
+    request_seed,
     session_id,
 )
 from torchtitan_rl.types import GenerateFn, GenerateRequest

@@ -22,7 +22,13 @@ from collections.abc import Callable
 from typing import Any
 
 from torchtitan_rl.rollout.agent_tools import ToolCalls, same_reply
-from torchtitan_rl.rollout.types import RolloutStatus, RolloutTurn, request_id, session_id
+from torchtitan_rl.rollout.types import (
+    RolloutStatus,
+    RolloutTurn,
+    request_id,
+    request_seed,
+    session_id,
+)
 from torchtitan_rl.types import Completion, GenerateFn, GenerateRequest, Sampling
 
 logger = logging.getLogger(__name__)
@@ -166,7 +172,6 @@ class EpisodeCapture:
         rid = request_id(self.group_id, self.rollout_index, turn_index)
         if self._attempt:
             rid += f"/attempt={self._attempt}"
-        from torchtitan_rl.rollout.rollouter import request_seed  # the rollouter imports this module
 
         wanted = self._sampling.max_tokens if max_tokens is None else min(max_tokens,
                                                                             self._sampling.max_tokens)

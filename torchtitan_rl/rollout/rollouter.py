@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import math
 from collections.abc import Callable
@@ -38,17 +37,12 @@ from torchtitan_rl.rollout.types import (
     RolloutStatus,
     RolloutTurn,
     request_id,
+    request_seed,
     session_id,
 )
 from torchtitan_rl.types import GenerateFn, GenerateRequest, Sampling
 
 logger = logging.getLogger(__name__)
-
-
-def request_seed(base_seed: int, group_id: int, rollout_index: int, turn_index: int) -> int:
-    """A 63-bit seed fixed by (base seed, group, rollout, turn) alone."""
-    key = f"{base_seed}/{group_id}/{rollout_index}/{turn_index}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
 class Rollouter(Configurable):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 from typing import Any
 
 from torchtitan_rl.types import FinishReason
@@ -34,6 +35,12 @@ class RolloutStatus(enum.StrEnum):
     @property
     def is_error(self) -> bool:
         return self.value.startswith("error_")
+
+
+def request_seed(base_seed: int, group_id: int, rollout_index: int, turn_index: int) -> int:
+    """A 63-bit seed fixed by (base seed, group, rollout, turn) alone."""
+    key = f"{base_seed}/{group_id}/{rollout_index}/{turn_index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
 def request_id(group_id: int, rollout_index: int, turn_index: int) -> str:
