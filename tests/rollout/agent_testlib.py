@@ -115,3 +115,30 @@ async def uses_a_tool(episode: str, client: AsyncOpenAI) -> float:
     second = await client.chat.completions.create(model="policy", messages=messages,
                                                   tools=[ADD_TOOL])
     return float(not second.choices[0].message.tool_calls)
+
+
+SDK_RESULTS: list[dict] = []
+"""What each `openai_agents_sdk` run ended with: its final output and the tool results it made."""
+
+
+async def openai_agents_sdk(episode: str, client: AsyncOpenAI) -> float:
+    """An agent written with the OpenAI Agents SDK (`openai-agents`), unchanged but for its model:
+    the SDK's own loop (`Runner.run`) calls the episode endpoint through the run's client, runs the
+    `add` function tool the model calls, sends its result back and stops at the model's final
+    answer. Reward: 1 when the final answer holds the tool's result."""
+    from agents import Agent, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
+
+    added: list[int] = []
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """Adds two integers."""
+        added.append(a + b)
+        return a + b
+
+    agent = Agent(name="adder", instructions="Use the add tool.", tools=[add],
+                  model=OpenAIChatCompletionsModel(model="policy", openai_client=client))
+    result = await Runner.run(agent, episode, max_turns=4,
+                              run_config=RunConfig(tracing_disabled=True))
+    SDK_RESULTS.append({"final_output": result.final_output, "added": added})
+    return float(str(sum(added)) in str(result.final_output)) if added else 0.0

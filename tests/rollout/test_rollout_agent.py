@@ -395,6 +395,36 @@ def test_tool_calls_come_back_parsed_and_tool_results_are_environment_tokens() -
     assert len(gen.calls) == 8
 
 
+def test_an_agent_written_with_the_openai_agents_sdk_runs_unchanged() -> None:
+    """An outside agent library (the OpenAI Agents SDK, its own Runner loop and function tool)
+    against the endpoint: its requests are accepted as sent, the tool call reaches its tool, the
+    tool's result goes back as environment tokens, and the episode is one token-exact sample."""
+    from tests.rollout import agent_testlib
+
+    agent_testlib.SDK_RESULTS.clear()
+    call_text = ('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 40}}\n</tool_call>')
+
+    def reply(rid: str, _: list[int]) -> str:
+        return call_text if rid.endswith("turn=0") else "The sum is 42."
+
+    group, gen = _play("openai_agents_sdk", reply, sampling=Sampling(max_tokens=64, seed=1),
+                       task_overrides={"tool_parser": "hermes"})
+    assert [r.status for r in group.rollouts] == [RolloutStatus.COMPLETED] * 4, [
+        r.error for r in group.rollouts]
+    assert agent_testlib.SDK_RESULTS == [{"final_output": "The sum is 42.", "added": [42]}] * 4
+    assert group.rewards == [1.0] * 4
+    assert len(gen.calls) == 8
+    for sample, rollout in zip(rollout_group_to_training_samples(group), group.rollouts):
+        first_turn, second_turn = rollout.turns
+        assert rollout.num_drift_events == 0  # the SDK's replayed history re-renders exactly
+        head = first_turn.prompt_token_ids + first_turn.completion_token_ids
+        assert second_turn.prompt_token_ids[: len(head)] == head
+        [tool_message] = first_turn.env_messages
+        assert tool_message["role"] == "tool" and tool_message["content"] == "42"
+        trained = [tok for tok, m in zip(sample.token_ids, sample.loss_mask) if m]
+        assert trained == first_turn.completion_token_ids + second_turn.completion_token_ids
+
+
 def test_unknown_tool_parser_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="task.tool_parser = 'nope': not one of vLLM's tool "
                                           "parsers .*'hermes'"):

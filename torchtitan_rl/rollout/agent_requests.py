@@ -132,8 +132,9 @@ def _message(message: Any, i: int) -> dict[str, Any]:
     content = _text_content(message.get("content"), f"{where}.content")
     if content is None and not (role == "assistant" and message.get("tool_calls")):
         raise RequestError(f"{where}.content", "required (a string)")
-    if content is not None:
-        out["content"] = content
+    # An assistant message that only calls tools renders with empty content, as vLLM's server
+    # does: templates read message.content unguarded (the OpenAI Agents SDK sends none).
+    out["content"] = "" if content is None else content
     return out
 
 
