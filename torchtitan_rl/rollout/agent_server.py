@@ -159,9 +159,11 @@ class EpisodeServer:
         if self._client is None:
             import openai
 
+            import httpx2  # openai 3's own httpx
+
             self._client = openai.AsyncOpenAI(
                 base_url=self.base_url(episode_id), api_key=self.api_key,
-                http_client=_pool_client_class()())
+                http_client=_pool_client_class()(transport=httpx2.ASGITransport(app=self._asgi)))
         return self._client.with_options(base_url=self.base_url(episode_id))
 
     def close(self, episode_id: str, why: str = "the agent returned") -> None:
