@@ -154,12 +154,12 @@ class EpisodeServer:
 
     def client(self, episode_id: str) -> Any:
         """An ``openai.AsyncOpenAI`` for the episode: a copy (``with_options``, ~60 us) of one
-        client per server, sharing its connection pool; a new client would cost ~30 ms of CPU
-        (httpx builds an SSL context) and a new connection per episode."""
+        client per server; a new client would cost ~30 ms of CPU (httpx builds an SSL context).
+        Its requests reach this server's ASGI app in process (no socket, no uvicorn: the same
+        app, so the same answers), while ``base_url`` serves any other client over TCP."""
         if self._client is None:
-            import openai
-
             import httpx2  # openai 3's own httpx
+            import openai
 
             self._client = openai.AsyncOpenAI(
                 base_url=self.base_url(episode_id), api_key=self.api_key,

@@ -9,7 +9,7 @@ OpenAI-compatible endpoint, not by a MessageEnv.
 
     Rollouter.run_single_rollout: env = task.make_env(spec) -> an AgentEnv -> env.play(...):
         EpisodeCapture(generate_fn, seeds, limits) --open--> EpisodeServer -> base_url
-        client = the run's AsyncOpenAI .with_options(base_url)  (one connection pool per run)
+        client = the run's AsyncOpenAI .with_options(base_url)  (in process to the app)
         reward = await agent(spec, client)                  (any number of calls; client.base_url
                                                              and client.api_key for other clients)
         EpisodeServer.close(id) -> Rollout(turns = the captured calls, status, reward)
@@ -17,8 +17,9 @@ OpenAI-compatible endpoint, not by a MessageEnv.
 The endpoint starts with the first rollout, in the event loop the rollouts run in, and stops with
 ``aclose()`` (RunParts.close). The agent gets an ``openai.AsyncOpenAI`` already pointed at its
 episode: a copy of one client per run, so an episode costs no client construction (~30 ms of
-CPU: httpx builds an SSL context) and its calls reuse the run's kept-alive connections. Closing
-it (``async with client``) leaves the run's connections open. The agent returns the reward, or
+CPU: httpx builds an SSL context), and its calls reach the endpoint's app in process (no socket);
+other clients use ``client.base_url`` over TCP. Closing it (``async with client``) leaves the
+run's client open. The agent returns the reward, or
 (reward, [one reward per call]) for per-turn credit (rollouter.credit = "turn"). An agent that
 raises ends its rollout ERROR_ENV, one that runs past ``timeout_s`` ERROR_TIMEOUT, as MessageEnv
 errors do; a GenerateFn that raises under a call fails the whole group, as in MessageEnv
