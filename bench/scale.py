@@ -15,8 +15,9 @@ metrics line with its own CPU seconds (``time.process_time``: every thread of th
 Monarch's included) and wall clock; steps before ``--warmup-steps`` are skipped.
 
 Per N: controller CPU ms per turn (CPU seconds over the measured steps / the turns they
-generated: rollouts x turns, from metrics.jsonl), turns/s sustained (the same turns / wall
-seconds), bytes sent by the busiest process per push (``weight_sync/busiest_sender_bytes`` when
+generated: rollouts x turns, from metrics.jsonl), turns/s sustained (the same turns / the steps'
+``time/generate_s``: with the default synchronous loop, ``--max-staleness 0``, generation runs
+alone, so the trainer's speed on this machine does not bound it), bytes sent by the busiest process per push (``weight_sync/busiest_sender_bytes`` when
 the push reports it, else ``weight_sync/bytes_moved``: the serial push sends everything from
 trainer rank 0), the model's bytes, push wall seconds (``time/sync_s``, mean of the measured
 steps) and the peak RSS of the whole job (the child and every process under it, sampled each
@@ -153,7 +154,7 @@ def figures(n: int, steps: list[dict], warmup_steps: int,
     cpu0, wall0 = ((before[0]["bench/controller_cpu_s"], before[0]["bench/wall_s"])
                    if before else start)
     cpu_s = measured[-1]["bench/controller_cpu_s"] - cpu0
-    wall_s = measured[-1]["bench/wall_s"] - wall0
+    generate_s = sum(s["time/generate_s"] for s in measured)
     turns = sum(round(s.get("rollout/num_rollouts", 0) * s.get("rollout/num_turns", 0))
                 for s in measured)
 
@@ -163,10 +164,11 @@ def figures(n: int, steps: list[dict], warmup_steps: int,
 
     return CaseResult(
         num_generators=n, controller_ms_per_turn=1e3 * cpu_s / max(turns, 1),
-        turns_per_s=turns / wall_s, num_turns=turns,
+        turns_per_s=turns / generate_s, num_turns=turns,
         busiest_sender_bytes=mean("weight_sync/busiest_sender_bytes", "weight_sync/bytes_moved"),
         model_bytes=mean("weight_sync/model_bytes", "weight_sync/bytes"),
-        push_s=mean("time/sync_s"), step_s=wall_s / len(measured))
+        push_s=mean("time/sync_s"),
+        step_s=(measured[-1]["bench/wall_s"] - wall0) / len(measured))
 
 
 # ---- the parent: N after N, within the memory there is ---------------------------------------
@@ -251,7 +253,9 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--groups-per-generator", type=int, default=4,
                         help="groups a step per generator (loop.groups_per_step = this x N)")
-    parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--max-staleness", type=int, default=0,
+                        help="0 (synchronous): generation alone in time/generate_s, so turns/s "
+                             "is not bounded by the trainer")
     parser.add_argument("--warmup-steps", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3, help="measured steps after the warm-up")
     parser.add_argument("--num-workers", type=int, default=None,
