@@ -17,9 +17,9 @@ Monarch's included) and wall clock; steps before ``--warmup-steps`` are skipped.
 Per N: controller CPU ms per turn (CPU seconds over the measured steps / the turns they
 generated: rollouts x turns, from metrics.jsonl), turns/s sustained (the same turns / the steps'
 ``time/generate_s``: with the default synchronous loop, ``--max-staleness 0``, generation runs
-alone, so the trainer's speed on this machine does not bound it), bytes sent by the busiest process per push (``weight_sync/busiest_sender_bytes`` when
-the push reports it, else ``weight_sync/bytes_moved``: the serial push sends everything from
-trainer rank 0), the model's bytes, push wall seconds (``time/sync_s``, mean of the measured
+alone, so the trainer's speed on this machine does not bound it), bytes sent by the busiest
+process per push (``weight_sync/busiest_sender_bytes`` when the push reports it, else
+``weight_sync/bytes_moved``: the serial push sends everything from trainer rank 0), the model's bytes, push wall seconds (``time/sync_s``, mean of the measured
 steps) and the peak RSS of the whole job (the child and every process under it, sampled each
 second). ``--num-workers`` sets ``rollouter.num_workers`` (rollout-worker actors) where this code
 has the field; ``--link-mbps`` sets ``TORCHTITAN_RL_SIMULATED_LINK_MBPS``, which paces each
