@@ -97,6 +97,7 @@ class _Request:
     finish_reason: str
     num_cached_tokens: int
     admitted_at: float
+    cache_salt: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
     spans: list[WeightVersionSpan] = dataclasses.field(default_factory=list)
     first_token_at: float | None = None
@@ -210,7 +211,7 @@ class StandInEngine:
         salt = prompt.get("cache_salt") or ""
         self._running[request_id] = _Request(
             request_id, prompt_ids, reply, reason, self._cached_prefix(salt, prompt_ids),
-            admitted_at=time.monotonic())
+            admitted_at=time.monotonic(), cache_salt=salt)
 
     def step(self) -> list[RequestOutput]:
         """One token for every running request, after the time the engine's rate allows; the
@@ -302,9 +303,8 @@ class StandInEngine:
         if not self.enable_prefix_caching:
             return
         tokens = request.prompt_token_ids + request.token_ids
-        salt = ""  # salts are per policy version: a reset clears the cache anyway
         for end in range(self.block_size, len(tokens) + 1, self.block_size):
-            self._cached_blocks.add(_block_key(salt, tokens[:end]))
+            self._cached_blocks.add(_block_key(request.cache_salt, tokens[:end]))
 
 
 def build_engine(config: Any) -> StandInEngine:
