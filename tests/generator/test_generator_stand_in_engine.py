@@ -79,7 +79,8 @@ def test_a_step_sleeps_tokens_over_rate_and_burns_no_cpu() -> None:
         engine.step()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     assert (engine.num_steps, engine.num_generated_tokens) == (55, 440)
-    assert wall == pytest.approx(440 / 2000.0, rel=0.25)
+    # a loaded machine may oversleep, never undersleep
+    assert 0.95 * 440 / 2000.0 <= wall <= 3 * 440 / 2000.0
     assert cpu < 0.5 * wall
 
 
@@ -87,7 +88,7 @@ def test_a_pull_loads_every_byte_and_labels_later_tokens() -> None:
     pushed = {name: t + 1.0 for name, t in _hf_weights().items()}
 
     async def main():
-        loop = await start_engine_loop(_config(rate=200.0))
+        loop = await start_engine_loop(_config(rate=40.0))  # 56 tokens: 1.4 s
         long = Sampling(max_tokens=60, seed=2)  # seed 2 draws a reply of 56 tokens
         generating = asyncio.ensure_future(loop.generate(req("long", [5, 6, 7], long)))
         await asyncio.sleep(0.1)
@@ -108,7 +109,7 @@ def test_a_pull_loads_every_byte_and_labels_later_tokens() -> None:
 
 def test_abort_returns_the_tokens_so_far() -> None:
     async def main():
-        loop = await start_engine_loop(_config(rate=100.0))
+        loop = await start_engine_loop(_config(rate=20.0))  # 56 tokens: 2.8 s
         long = Sampling(max_tokens=60, seed=2)  # 56 tokens
         generating = asyncio.ensure_future(loop.generate(req("a", [5, 6], long)))
         await asyncio.sleep(0.2)
