@@ -40,6 +40,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import threading
@@ -222,14 +223,18 @@ def run_child(args: argparse.Namespace, n: int) -> CaseResult | str:
     if args.link_mbps:
         env[LINK_ENV] = str(args.link_mbps)
     with (case_dir / "console.txt").open("w") as console:  # a file: a pipe could fill
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=console,
+        proc = subprocess.Popen(command, env=env, stdout=console,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         rss = TreeRss(proc.pid)
         try:
             code = proc.wait(timeout=args.timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        except subprocess.TimeoutExpired:  # as Ctrl-C: the job stops its hosts, then the rest
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             code = None
         peak = rss.stop()
     if code != 0:
