@@ -19,8 +19,8 @@ generated: rollouts x turns, from metrics.jsonl), turns/s sustained (the same tu
 ``time/generate_s``: with the default synchronous loop, ``--max-staleness 0``, generation runs
 alone, so the trainer's speed on this machine does not bound it), bytes sent by the busiest
 process per push (``weight_sync/busiest_sender_bytes`` when the push reports it, else
-``weight_sync/bytes_moved``: the serial push sends everything from trainer rank 0), the model's bytes, push wall seconds (``time/sync_s``, mean of the measured
-steps) and the peak RSS of the whole job (the child and every process under it, sampled each
+``weight_sync/bytes_moved``: the serial push sends everything from trainer rank 0), the
+model's bytes, push wall seconds (``time/sync_s``, median of the measured steps) and the peak RSS of the whole job (the child and every process under it, sampled each
 second). ``--num-workers`` sets ``rollouter.num_workers`` (rollout-worker actors) where this code
 has the field; ``--link-mbps`` sets ``TORCHTITAN_RL_SIMULATED_LINK_MBPS``, which paces each
 process's sends to a simulated NIC where the relay push reads it (on 2 cores, wall time cannot
@@ -41,6 +41,7 @@ import json
 import os
 import pathlib
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -168,7 +169,8 @@ def figures(n: int, steps: list[dict], warmup_steps: int,
         turns_per_s=turns / generate_s, num_turns=turns,
         busiest_sender_bytes=mean("weight_sync/busiest_sender_bytes", "weight_sync/bytes_moved"),
         model_bytes=mean("weight_sync/model_bytes", "weight_sync/bytes"),
-        push_s=mean("time/sync_s"),
+        # the median: on a shared 2-core box one push in a few waits for a core (0.04-1.3 s)
+        push_s=statistics.median(s["time/sync_s"] for s in measured),
         step_s=(measured[-1]["bench/wall_s"] - wall0) / len(measured))
 
 
