@@ -60,6 +60,7 @@ class CaseResult:
     controller_ms_per_turn: float
     turns_per_s: float
     num_turns: int
+    num_steps: int
     busiest_sender_bytes: float
     model_bytes: float
     push_s: float
@@ -166,7 +167,7 @@ def figures(n: int, steps: list[dict], warmup_steps: int,
 
     return CaseResult(
         num_generators=n, controller_ms_per_turn=1e3 * cpu_s / max(turns, 1),
-        turns_per_s=turns / generate_s, num_turns=turns,
+        turns_per_s=turns / generate_s, num_turns=turns, num_steps=len(measured),
         busiest_sender_bytes=mean("weight_sync/busiest_sender_bytes", "weight_sync/bytes_moved"),
         model_bytes=mean("weight_sync/model_bytes", "weight_sync/bytes"),
         # the median: on a shared 2-core box one push in a few waits for a core (0.04-1.3 s)
@@ -277,6 +278,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.case is not None:
         return run_case(args, args.case)
+    if args.num_workers is not None:
+        sys.path.insert(0, str(REPO))
+        from torchtitan_rl.rollout.rollouter import Rollouter
+
+        if "num_workers" not in Rollouter.Config.__dataclass_fields__:
+            parser.error("--num-workers: this code has no rollouter.num_workers yet")
 
     results: list[CaseResult] = []
     stopped = ""
@@ -309,6 +316,10 @@ def main() -> None:
     if not results:
         raise SystemExit("no N completed")
     print_table(results)
+    if len(results) > 1:
+        per_turn_ms, per_step_ms = cpu_split(results)
+        print(f"controller CPU, a line through the N: {per_turn_ms:.3f} ms per turn + "
+              f"{per_step_ms:.0f} ms per step")
     first, last = results[0], results[-1]
     at16 = next((r for r in results if r.num_generators == 16), last)
     if at16.num_generators != 16 or first.num_generators != 1:
@@ -318,6 +329,18 @@ def main() -> None:
           f"busiest_sender_over_model="
           f"{max(r.busiest_sender_bytes / r.model_bytes for r in results):.2f} "
           f"push_growth_1_to_16={at16.push_s / first.push_s:.2f}")
+
+
+def cpu_split(results: list[CaseResult]) -> tuple[float, float]:
+    """Least squares of the controller's CPU per step against the turns per step over the N:
+    (ms per turn, ms per step). Per-step work (the train call, the push, the metrics) shared
+    by more turns makes ms per turn fall with N even when the per-turn cost is flat."""
+    xs = [r.num_turns / r.num_steps for r in results]
+    ys = [r.controller_ms_per_turn * x for r, x in zip(results, xs)]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / max(
+        sum((x - mean_x) ** 2 for x in xs), 1e-12)
+    return slope, mean_y - slope * mean_x
 
 
 def print_table(results: list[CaseResult]) -> None:
