@@ -20,8 +20,10 @@ generated: rollouts x turns, from metrics.jsonl), turns/s sustained (the same tu
 alone, so the trainer's speed on this machine does not bound it), bytes sent by the busiest
 process per push (``weight_sync/busiest_sender_bytes`` when the push reports it, else
 ``weight_sync/bytes_moved``: the serial push sends everything from trainer rank 0), the
-model's bytes, push wall seconds (``time/sync_s``, median of the measured steps) and the peak RSS of the whole job (the child and every process under it, sampled each
-second). ``--num-workers`` sets ``rollouter.num_workers`` (rollout-worker actors) where this code
+model's bytes, push wall seconds (``time/sync_s``, median of the measured steps) and the peak
+RSS of the whole job (summed over the child and every process under it, shared library pages
+counted in each, sampled each second); then, over
+the N, the controller's CPU split into per turn and per step (a least-squares line). ``--num-workers`` sets ``rollouter.num_workers`` (rollout-worker actors) where this code
 has the field; ``--link-mbps`` sets ``TORCHTITAN_RL_SIMULATED_LINK_MBPS``, which paces each
 process's sends to a simulated NIC where the relay push reads it (on 2 cores, wall time cannot
 show network scaling otherwise). Before each N the bench estimates the memory it needs from the
