@@ -1,7 +1,7 @@
 """The controller, the rollouts, the weight push and Monarch at N generators on simulated hosts,
 each generator's engine a stand-in that answers at a set rate and loads every pushed byte.
 
-    python bench/scale.py [--generators 1,2,4,8,16,32] [--model-size small] [--tokens-per-s 2000]
+    python bench/scale.py [--generators 1,2,4,8,16,32] [--model-size demo] [--tokens-per-s 2000]
                           [--num-workers K] [--link-mbps X] [--output-dir runs/scale]
 
 For each N, a short real job (``RLJob``) runs in a child process that is its controller:
@@ -22,11 +22,11 @@ process per push (``weight_sync/busiest_sender_bytes`` when the push reports it,
 ``weight_sync/bytes_moved``: the serial push sends everything from trainer rank 0), the
 model's bytes, push wall seconds (``time/sync_s``, median of the measured steps) and the peak
 RSS of the whole job (summed over the child and every process under it, shared library pages
-counted in each, sampled each second); then, over
-the N, the controller's CPU split into per turn and per step (a least-squares line). ``--num-workers`` sets ``rollouter.num_workers`` (rollout-worker actors) where this code
-has the field; ``--link-mbps`` sets ``TORCHTITAN_RL_SIMULATED_LINK_MBPS``, which paces each
-process's sends to a simulated NIC where the relay push reads it (on 2 cores, wall time cannot
-show network scaling otherwise). Before each N the bench estimates the memory it needs from the
+counted in each, sampled each second); then, over the N, the controller's CPU split into per
+turn and per step (a least-squares line). ``--num-workers`` sets ``rollouter.num_workers``
+(rollout-worker actors) where this code has the field; ``--link-mbps`` sets
+``TORCHTITAN_RL_SIMULATED_LINK_MBPS``, which paces each process's sends to a simulated NIC where
+the relay push reads it (on 2 cores, wall time cannot show network scaling otherwise). Before each N the bench estimates the memory it needs from the
 previous N and stops there (saying so) if this machine has not that much available; a failed
 N stops it too. Each job's console and logs go to ``<output-dir>/n<N>/``.
 
