@@ -28,7 +28,8 @@ turn and per step (a least-squares line). ``--num-workers`` sets ``rollouter.num
 ``TORCHTITAN_RL_SIMULATED_LINK_MBPS``, which paces each process's sends to a simulated NIC where
 the relay push reads it (on 2 cores, wall time cannot show network scaling otherwise). Before
 each N the bench estimates the memory it needs from the previous N and stops there (saying so)
-if this machine has not that much available; a failed N stops it too. Each job's console and logs go to ``<output-dir>/n<N>/``.
+if this machine has not that much available; a failed N stops it too. Each job's console and
+logs go to ``<output-dir>/n<N>/``.
 
 The last line:
 ``controller_ms_per_turn=<largest N reached> busiest_sender_over_model=<max over N>
