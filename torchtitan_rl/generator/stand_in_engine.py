@@ -253,8 +253,8 @@ class StandInEngine:
     def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Only ``reload_weights(weights_iterator=[(hf_name, tensor)], is_checkpoint_format=True)``:
-        every tensor is copied into the engine's own (a partial or misnamed state dict raises
-        before the first copy)."""
+        every tensor is copied into the engine's own; a misnamed or misshapen one raises before
+        the first copy (``WeightPuller.prepare`` has checked that every weight is given)."""
         if method != "reload_weights":
             raise NotImplementedError(f"the stand-in engine has no collective_rpc {method!r}")
         pairs = list((kwargs or {})["weights_iterator"])
