@@ -97,6 +97,16 @@ class Generator(Actor, Configurable):
         """In a job: how often this generator may be replaced after its process died (each
         replacement is a new mesh on the same host with the current weights); once more fails
         the run. 0: a lost generator fails the run."""
+        engine: str = "vllm"
+        """Which engine each rank builds. "vllm": vLLM's ``LLMEngine`` (vllm_engine.py).
+        "stand_in": no model compute, replies of seeded random tokens at
+        ``stand_in_tokens_per_s``, every pushed weight byte still loaded (stand_in_engine.py;
+        scale benchmarks: bench/scale.py; tensor_parallel_degree 1, weight_sync.load reload).
+        Or an import path "package.module:function" of a ``(Generator.Config) -> engine``
+        builder with the same engine API."""
+        stand_in_tokens_per_s: float = 2000.0
+        """engine = "stand_in": output tokens per second of the whole engine (each step emits one
+        token per running request and sleeps as long as this rate allows)."""
         torch_num_threads: int | None = None
         """torch threads per rank, set before the engine is built (vLLM's CPU worker forbids
         changing it afterwards). None: torch's default with one rank, 1 per rank when
@@ -123,6 +133,17 @@ class Generator(Actor, Configurable):
                 raise ValueError(
                     f"initial_policy_version must be >= 0, got {self.initial_policy_version}"
                 )
+            if self.engine not in ("vllm", "stand_in") and ":" not in self.engine:
+                raise ValueError(f"engine must be 'vllm', 'stand_in' or 'package.module:function',"
+                                 f" got {self.engine!r}")
+            if self.stand_in_tokens_per_s <= 0:
+                raise ValueError(
+                    f"stand_in_tokens_per_s must be > 0, got {self.stand_in_tokens_per_s}")
+            if self.engine != "vllm" and (self.tensor_parallel_degree, self.weight_sync.load) \
+                    not in ((1, "auto"), (1, "reload")):
+                raise ValueError(f"engine={self.engine!r} needs tensor_parallel_degree=1, "
+                                 f"weight_sync.load 'auto' or 'reload', got "
+                                 f"{self.tensor_parallel_degree}, {self.weight_sync.load!r}")
             if self.weight_sync.load == "in_place" and (
                     self.tensor_parallel_degree != 1 or not self.enforce_eager):
                 # The CPU platform itself is checked at start (WeightPuller.setup).
@@ -340,7 +361,8 @@ async def start_engine_loop(
     engine = await loop.run_in_executor(executor, _build_engine_in_thread, config)
     load = config.weight_sync.load
     if load == "auto":  # the fast path where vLLM's CPU layout allows it
-        load = "in_place" if tp == 1 and config.enforce_eager and is_cpu_platform() else "reload"
+        load = "in_place" if (config.engine == "vllm" and tp == 1 and config.enforce_eager
+                              and is_cpu_platform()) else "reload"
         logger.info("weight_sync.load='auto': %s", load)
     puller = WeightPuller(config.model_dir, load=load,  # type: ignore[arg-type]
                           repack_cpu_linears=config.weight_sync.repack_cpu_linears)
@@ -366,14 +388,14 @@ async def start_engine_loop(
 
 
 def _build_engine_in_thread(config: Generator.Config) -> Any:
-    from torchtitan_rl.generator.vllm_engine import build_engine
+    from torchtitan_rl.generator.vllm_engine import engine_builder
 
     threads = config.torch_num_threads
     if threads is None and config.tensor_parallel_degree > 1:
         threads = 1
     if threads is not None:
         torch.set_num_threads(threads)
-    engine = build_engine(config)
+    engine = engine_builder(config.engine)(config)
     if config.tensor_parallel_degree > 1:
         assert dist.is_initialized(), "vLLM's external_launcher left no default process group"
     return engine

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torchtitan_rl.generator.loop_decision import EngineRequest
@@ -80,6 +81,20 @@ def build_engine(config: EngineSpec) -> LLMEngine:
     engine = LLMEngine.from_engine_args(args)
     logger.info("vLLM engine ready: %s (%s, tp=%d)", config.model_dir, config.dtype, tp)
     return engine
+
+
+def engine_builder(engine: str) -> Callable[[Any], Any]:
+    """``Generator.Config.engine`` -> the function that builds one rank's engine from the
+    generator's config: ``build_engine`` here, the stand-in's, or an imported one."""
+    if engine == "vllm":
+        return build_engine
+    if engine == "stand_in":
+        from torchtitan_rl.generator.stand_in_engine import build_engine as build_stand_in
+        return build_stand_in
+    import importlib
+
+    module, _, name = engine.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _name_cpu_tp_segments_per_mesh() -> None:

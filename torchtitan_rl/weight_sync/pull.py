@@ -191,6 +191,8 @@ def vllm_model(engine: Any) -> nn.Module:
 
 def read_hf_weights(engine: Any) -> dict[str, torch.Tensor]:
     """Every weight of an in-process TP=1 engine by HF name, as the engine computes with it."""
+    if hasattr(engine, "read_hf_weights"):  # an engine holding plain weights (the stand-in)
+        return engine.read_hf_weights()
     return read_vllm_hf_weights(vllm_model(engine))
 
 
