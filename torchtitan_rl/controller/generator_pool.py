@@ -50,6 +50,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 STOP_TIMEOUT_S = 60.0
+RELAY_TIMEOUT_S = 600.0
+"""The most a relayed push waits for its next generator to finish (a loss is seen sooner)."""
+REPLACEMENT_ATTEMPT = 1 << 20
+"""A replacement's push attempt number: above any attempt of the loop's relay."""
 SPAWN_TIMEOUT_S = 600.0
 LOST_REASON_CHARS = 100
 """How much of a loss's reason a failed replacement's one-line error repeats."""
@@ -129,52 +133,118 @@ class GeneratorPool:
 
     # ---- weights --------------------------------------------------------------------------------
     async def push_weights(self, version: int) -> dict[str, float]:
-        """The trainer's weights to every serving generator, as policy ``version``; the metrics
-        are the last generator's, with the aborted requests summed over generators."""
+        """The trainer's weights to every serving generator, as policy ``version``: those on the
+        trainer's machine one at a time by shared memory, the others down one relay chain
+        (weight_sync/relay.py). Metrics: bytes (``bytes_moved`` summed over senders,
+        ``busiest_sender_bytes``, ``model_bytes``), the last push's timings, the aborted
+        requests summed over generators."""
         assert self.router is not None
-        metrics: dict[str, float] = {}
-        num_aborted = 0
-        bytes_moved = 0.0
         async with self._push_lock:
             self.policy_version = version
-            for index, generator in enumerate(self.handles):
-                if generator.lost_reason is not None:
-                    continue  # its replacement gets this version when it comes up
+            push = _PushTotals()
+            serving = [i for i, h in enumerate(self.handles) if h.lost_reason is None]
+            for index in serving:
+                if self.handles[index].weight_transport == "shared_memory":
+                    await self._push_by_shared_memory(index, version, push)
+            await self._relay(version, [i for i in serving if
+                                        self.handles[i].weight_transport != "shared_memory"], push)
+        return push.metrics(self.abort_on_pull, generators_by_shared_memory=float(sum(
+            h.weight_transport == "shared_memory" for h in self.handles)))
+
+    async def _push_by_shared_memory(self, index: int, version: int, push: _PushTotals) -> None:
+        assert self.router is not None
+        generator = self.handles[index]
+        self.router.set_syncing(index, True)
+        trainer_called = False
+        try:
+            metrics = await _until_lost(generator, self.trainer.push_weights(generator, version))
+            trainer_called = True
+            push.timings.update(metrics)
+            moved = metrics.get("weight_sync/bytes", 0.0)
+            push.by_shared_memory(moved)
+            await self._pulled(index, version, moved, push)
+        except Exception as e:
+            # The trainer's call failing by itself (not an error its endpoint raised) is the
+            # trainer's death, not this generator's: the job restarts the trainer.
+            trainer_died = not trainer_called and not isinstance(e, ActorError)
+            if not (isinstance(e, GeneratorLostError)
+                    or (is_supervision_error(e) and not trainer_died)):
+                raise
+            generator.mark_lost(f"during the push of v{version}: {e}")
+            logger.warning("push v%d to %s failed: it was lost", version, generator.name)
+        finally:
+            self.router.set_syncing(index, False)
+
+    async def _relay(self, version: int, indices: list[int], push: _PushTotals) -> None:
+        """Relay ``version`` down a chain of the generators ``indices``; a generator lost on the
+        way is replaced (mark_lost), and the survivors downstream of it, which never get the
+        rest, take a new attempt on a chain without it."""
+        assert self.router is not None
+        attempt = 0
+        while indices:
+            for index in indices:
                 self.router.set_syncing(index, True)
-                trainer_called = False
-                try:
-                    metrics = await _until_lost(generator,
-                                                self.trainer.push_weights(generator, version))
-                    trainer_called = True
-                    # once per generator host, by message or shared memory (pull_on_every_rank)
-                    moved = metrics.get("weight_sync/bytes", 0.0)
-                    bytes_moved += moved
-                    if index not in self._push_reported:
-                        self._push_reported.add(index)
-                        logger.info("%s: a push moves %.1f MB by %s (%.2f s)", generator.name,
-                                    moved / 1e6, generator.weight_transport,
-                                    metrics.get("weight_sync/total_s", 0.0))
-                    if self.abort_on_pull:
-                        # Partial rollouts: running requests return their tokens so far and are
-                        # resumed (prompt + partial) on the new weights (partial_rollout.py).
-                        num_aborted += await _until_lost(generator, generator.abort(None))
-                except Exception as e:
-                    # The trainer's call failing by itself (not an error its endpoint raised) is
-                    # the trainer's death, not this generator's: the job restarts the trainer.
-                    trainer_died = not trainer_called and not isinstance(e, ActorError)
-                    if not (isinstance(e, GeneratorLostError)
-                            or (is_supervision_error(e) and not trainer_died)):
-                        raise
-                    generator.mark_lost(f"during the push of v{version}: {e}")
-                    logger.warning("push v%d to %s failed: it was lost", version, generator.name)
-                finally:
+            try:
+                indices = await self._relay_attempt(version, attempt, indices, push)
+            finally:
+                for index in range(len(self.handles)):
                     self.router.set_syncing(index, False)
+            attempt += 1
+
+    async def _relay_attempt(self, version: int, attempt: int, indices: list[int],
+                             push: _PushTotals) -> list[int]:
+        """One relay of ``version`` down ``indices`` (in that order); returns the serving
+        generators that did not get it (downstream of a generator lost mid-push)."""
+        chain = [self.handles[i] for i in indices]
+        waits = [asyncio.ensure_future(_until_lost(h, h.rank0.wait_weights.call_one(
+            version, attempt))) for h in chain]
+        try:
+            # The trainer's own call failing is the trainer's death (the job restarts it): its
+            # sends do not wait for generators, so a lost generator cannot fail it.
+            push.by_trainer(await self.trainer.relay_weights(chain, version, attempt))
+            cut = len(chain)  # chain positions past a lost generator never get the rest
+            position_of = {wait: p for p, wait in enumerate(waits)}
+            waiting = set(waits)
+            while active := {w for w in waiting if position_of[w] < cut}:
+                finished, _ = await asyncio.wait(active, timeout=RELAY_TIMEOUT_S,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                if not finished:
+                    raise RuntimeError(f"relay of policy version {version}: no generator "
+                                       f"finished in {RELAY_TIMEOUT_S:.0f} s")
+                for wait in finished:
+                    waiting.discard(wait)
+                    p = position_of[wait]
+                    try:
+                        result = wait.result()
+                    except Exception as e:
+                        if not (isinstance(e, GeneratorLostError) or is_supervision_error(e)):
+                            raise
+                        chain[p].mark_lost(f"during the relay of v{version}: {e}")
+                        logger.warning("relay v%d: %s was lost (chain position %d of %d)",
+                                       version, chain[p].name, p, len(chain))
+                        cut = min(cut, p)
+                        continue
+                    push.by_generator(result)
+                    await self._pulled(indices[p], version, result["sent_bytes"], push)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        return [indices[position_of[w]] for w in waiting
+                if chain[position_of[w]].lost_reason is None]
+
+    async def _pulled(self, index: int, version: int, moved: float, push: _PushTotals) -> None:
+        """Generator ``index`` serves ``version`` now."""
+        generator = self.handles[index]
+        if index not in self._push_reported:
+            self._push_reported.add(index)
+            logger.info("%s: pushes by %s; v%d moved %.1f MB", generator.name,
+                        generator.weight_transport, version, moved / 1e6)
         if self.abort_on_pull:
-            metrics["generator/num_aborted_at_pull"] = float(num_aborted)
-        metrics["weight_sync/bytes_moved"] = bytes_moved
-        metrics["weight_sync/generators_by_shared_memory"] = float(sum(
-            h.weight_transport == "shared_memory" for h in self.handles))
-        return metrics
+            # Partial rollouts: running requests return their tokens so far and are resumed
+            # (prompt + partial) on the new weights (partial_rollout.py).
+            push.num_aborted += await _until_lost(generator, generator.abort(None))
+        if self.trainer.verify_push and generator.weight_transport != "shared_memory":
+            await self.trainer.verify_weights([generator], version)  # debug: gathers
 
     async def rewind(self, version: int) -> None:
         """The trainer was restored to ``version`` (an older policy than the generators serve):
@@ -249,7 +319,7 @@ class GeneratorPool:
                 new = await asyncio.wait_for(self._spawn(index, name), SPAWN_TIMEOUT_S)
                 async with self._push_lock:  # not while the loop pushes: one version, once
                     if self.policy_version > 0:  # else it serves model_dir: version 0 already
-                        await _until_lost(new, self.trainer.push_weights(new, self.policy_version))
+                        await self._push_replacement(new, self.policy_version)
                     self.handles[index] = new
             except BaseException:
                 if new is not None and self.handles[index] is not new:  # spawned, not serving
@@ -274,6 +344,23 @@ class GeneratorPool:
                                    - self._others_routed_at_loss.pop(index))
         logger.warning("%s replaced by %s (policy v%d) in %.1f s", old.name, name,
                        self.policy_version, self.last_recovery_s)
+
+    async def _push_replacement(self, new: GeneratorHandle, version: int) -> None:
+        """The current version into a replacement (not serving yet): shared memory, or a relay
+        chain of one."""
+        if new.weight_transport == "shared_memory":
+            await _until_lost(new, self.trainer.push_weights(new, version))
+            return
+        attempt = REPLACEMENT_ATTEMPT  # apart from the loop's attempts of the same version
+        wait = _until_lost(new, new.rank0.wait_weights.call_one(version, attempt))
+        waiting = asyncio.ensure_future(wait)
+        try:
+            await self.trainer.relay_weights([new], version, attempt)
+            await asyncio.wait_for(waiting, RELAY_TIMEOUT_S)
+        finally:
+            waiting.cancel()
+        if self.trainer.verify_push:
+            await self.trainer.verify_weights([new], version)
 
     def _others_routed(self, index: int) -> int:
         assert self.router is not None
@@ -304,6 +391,49 @@ class GeneratorPool:
             if isinstance(result, BaseException) and not isinstance(result,
                                                                     asyncio.CancelledError):
                 logger.warning("shutdown: %r", result)
+
+
+class _PushTotals:
+    """What one push_weights moved: bytes per sender (shared-memory copies count as trainer rank
+    0's), the last timings and the requests aborted."""
+
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+        self.model_bytes = 0.0
+        self.bytes_moved = 0.0
+        self.busiest_trainer_rank = 0.0
+        self.by_shared_memory_bytes = 0.0
+        self.busiest_generator = 0.0
+        self.num_aborted = 0
+
+    def by_shared_memory(self, num_bytes: float) -> None:
+        self.model_bytes = num_bytes
+        self.bytes_moved += num_bytes
+        self.by_shared_memory_bytes += num_bytes
+
+    def by_trainer(self, sent: dict[str, float]) -> None:
+        self.model_bytes = sent["model_bytes"]
+        self.bytes_moved += sent["sent_bytes"]
+        self.busiest_trainer_rank = max(self.busiest_trainer_rank, sent["busiest_sender_bytes"])
+        self.timings["weight_sync/send_s"] = sent["send_s"]
+
+    def by_generator(self, result: dict[str, float]) -> None:
+        self.bytes_moved += result["sent_bytes"]
+        self.busiest_generator = max(self.busiest_generator, result["sent_bytes"])
+        for key in ("convert_s", "load_s"):
+            self.timings[f"weight_sync/generator_{key}"] = result[key]
+
+    def metrics(self, abort_on_pull: bool, **extra: float) -> dict[str, float]:
+        metrics = dict(self.timings)
+        if abort_on_pull:
+            metrics["generator/num_aborted_at_pull"] = float(self.num_aborted)
+        metrics["weight_sync/bytes_moved"] = self.bytes_moved
+        metrics["weight_sync/model_bytes"] = self.model_bytes
+        metrics["weight_sync/bytes"] = self.model_bytes  # one push's payload, as before the relay
+        metrics["weight_sync/busiest_sender_bytes"] = max(
+            self.busiest_trainer_rank + self.by_shared_memory_bytes, self.busiest_generator)
+        metrics.update(extra)
+        return metrics
 
 
 async def _until_lost(generator: GeneratorHandle, call: Awaitable[T]) -> T:

@@ -98,12 +98,14 @@ class WeightPusher:
         if verify:
             start = time.perf_counter()
             metrics["weight_sync/num_mismatched_tensors"] = float(
-                await self._verify(policy_version, state_dict, generators))
+                await self.verify(policy_version, state_dict, generators))
             metrics["weight_sync/verify_s"] = time.perf_counter() - start
         return metrics
 
-    async def _verify(self, policy_version: int, state_dict: dict[str, torch.Tensor],
-                      generators: Any) -> int:
+    async def verify(self, policy_version: int, state_dict: dict[str, torch.Tensor],
+                     generators: Any) -> int:
+        """Read every rank of ``generators`` back and compare bitwise with the full
+        ``state_dict``; raises RuntimeError on a difference, else returns 0."""
         expected = hf_state_dict_from_torchtitan(state_dict, self.model_config)
         tied = self.model_config.enable_weight_tying
         read_back = await generators.read_hf_weights.call()
