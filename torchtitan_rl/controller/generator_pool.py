@@ -4,9 +4,14 @@
              -> GeneratorHandle; its weight transport (shared memory on the trainer's machine,
              else the message; logged once); a GeneratorRouter over them (wrapped in a
              ResumingGenerateFn with partial rollouts) is the GenerateFn the rollouts call
-    push_weights(version): one generator at a time (the router keeps new sessions off it):
-             trainer.push_weights(generator, version); with partial rollouts, abort its running
-             requests
+    push_weights(version): generators on the trainer's machine one at a time (the router keeps
+             new sessions off it): trainer.push_weights(generator, version) (shared memory);
+             the others at once: trainer.relay_weights(chain, version, attempt) (every trainer
+             rank sends its shards to chain[0], each generator forwards to the next,
+             weight_sync/relay.py), then wait_weights(version, attempt) on each, raced against
+             its loss; a loss mid-relay: mark_lost, and the survivors after it in the chain get
+             attempt + 1 on a chain without it. Each generator done: with partial rollouts,
+             abort its running requests; verify_weight_push: trainer.verify_weights
     rewind(version): the trainer was restored to an older version (job.py): every generator
              aborts its requests and takes that version as its next pull
     loss:    a handle's call fails with Monarch's supervision error, or Monarch's fault hook names
@@ -245,6 +250,7 @@ class GeneratorPool:
             push.num_aborted += await _until_lost(generator, generator.abort(None))
         if self.trainer.verify_push and generator.weight_transport != "shared_memory":
             await self.trainer.verify_weights([generator], version)  # debug: gathers
+            push.num_verified += 1
 
     async def rewind(self, version: int) -> None:
         """The trainer was restored to ``version`` (an older policy than the generators serve):
@@ -405,6 +411,8 @@ class _PushTotals:
         self.by_shared_memory_bytes = 0.0
         self.busiest_generator = 0.0
         self.num_aborted = 0
+        self.num_verified = 0
+        """Relayed generators read back bit-exact (verify_weight_push; a difference raises)."""
 
     def by_shared_memory(self, num_bytes: float) -> None:
         self.model_bytes = num_bytes
@@ -428,10 +436,14 @@ class _PushTotals:
         if abort_on_pull:
             metrics["generator/num_aborted_at_pull"] = float(self.num_aborted)
         metrics["weight_sync/bytes_moved"] = self.bytes_moved
+        if self.num_verified:
+            metrics["weight_sync/relayed_generators_verified"] = float(self.num_verified)
         metrics["weight_sync/model_bytes"] = self.model_bytes
         metrics["weight_sync/bytes"] = self.model_bytes  # one push's payload, as before the relay
-        metrics["weight_sync/busiest_sender_bytes"] = max(
-            self.busiest_trainer_rank + self.by_shared_memory_bytes, self.busiest_generator)
+        trainer_rank = self.busiest_trainer_rank + self.by_shared_memory_bytes
+        metrics["weight_sync/busiest_trainer_rank_bytes"] = trainer_rank
+        metrics["weight_sync/busiest_generator_bytes"] = self.busiest_generator
+        metrics["weight_sync/busiest_sender_bytes"] = max(trainer_rank, self.busiest_generator)
         metrics.update(extra)
         return metrics
 
@@ -443,6 +455,9 @@ async def _until_lost(generator: GeneratorHandle, call: Awaitable[T]) -> T:
     lost = asyncio.ensure_future(generator.lost_event.wait())
     try:
         await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()  # the caller gave up (a relay past a lost generator): drop its reply
+        raise
     finally:
         lost.cancel()
     if task.done():

@@ -1,5 +1,10 @@
 """The trainer side of a weight sync: rank 0 pushes a full state dict to a generator mesh.
 
+A job uses it for generators on the trainer's machine (shared memory); generators elsewhere get
+their weights through the relay (relay.py: no gather, each trainer rank sends its own shards, the
+generators forward them down a chain). The message transport here pushes to one mesh (benchmarks,
+tests, a single generator).
+
     every trainer rank: full_model_state_dict()   (a collective: the caller gathers first)
     rank 0: WeightPusher.push(policy_version, state_dict, generators, transport=, verify=)
       transport "message":        the tensors travel in a call to the generator's host (any
