@@ -29,8 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Callable
 
 from monarch.actor import ActorError
 
@@ -39,6 +38,13 @@ from torchtitan_rl.console import short_report
 from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
 from torchtitan_rl.controller.placement import RunHosts
 from torchtitan_rl.controller.router import GeneratorRouter
+from torchtitan_rl.controller.weight_push import (
+    RELAY_TIMEOUT_S,
+    REPLACEMENT_ATTEMPT,
+    PushTotals,
+    relay_once,
+    until_lost,
+)
 from torchtitan_rl.generator import (
     Generator,
     GeneratorHandle,
@@ -52,13 +58,8 @@ from torchtitan_rl.weight_sync import WeightTransport
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 STOP_TIMEOUT_S = 60.0
-RELAY_TIMEOUT_S = 600.0
-"""The most a relayed push waits for its next generator to finish (a loss is seen sooner)."""
-REPLACEMENT_ATTEMPT = 1 << 20
-"""A replacement's push attempt number: above any attempt of the loop's relay."""
 SPAWN_TIMEOUT_S = 600.0
 LOST_REASON_CHARS = 100
 """How much of a loss's reason a failed replacement's one-line error repeats."""
@@ -146,23 +147,25 @@ class GeneratorPool:
         assert self.router is not None
         async with self._push_lock:
             self.policy_version = version
-            push = _PushTotals()
+            push = PushTotals()
             serving = [i for i, h in enumerate(self.handles) if h.lost_reason is None]
             for index in serving:
                 if self.handles[index].weight_transport == "shared_memory":
                     await self._push_by_shared_memory(index, version, push)
             await self._relay(version, [i for i in serving if
                                         self.handles[i].weight_transport != "shared_memory"], push)
-        return push.metrics(self.abort_on_pull, generators_by_shared_memory=float(sum(
-            h.weight_transport == "shared_memory" for h in self.handles)))
+        metrics = push.metrics(self.abort_on_pull)
+        metrics["weight_sync/generators_by_shared_memory"] = float(sum(
+            h.weight_transport == "shared_memory" for h in self.handles))
+        return metrics
 
-    async def _push_by_shared_memory(self, index: int, version: int, push: _PushTotals) -> None:
+    async def _push_by_shared_memory(self, index: int, version: int, push: PushTotals) -> None:
         assert self.router is not None
         generator = self.handles[index]
         self.router.set_syncing(index, True)
         trainer_called = False
         try:
-            metrics = await _until_lost(generator, self.trainer.push_weights(generator, version))
+            metrics = await until_lost(generator, self.trainer.push_weights(generator, version))
             trainer_called = True
             push.timings.update(metrics)
             moved = metrics.get("weight_sync/bytes", 0.0)
@@ -180,7 +183,7 @@ class GeneratorPool:
         finally:
             self.router.set_syncing(index, False)
 
-    async def _relay(self, version: int, indices: list[int], push: _PushTotals) -> None:
+    async def _relay(self, version: int, indices: list[int], push: PushTotals) -> None:
         """Relay ``version`` down a chain of the generators ``indices``; a generator lost on the
         way is replaced (mark_lost), and the survivors downstream of it, which never get the
         rest, take a new attempt on a chain without it."""
@@ -190,54 +193,22 @@ class GeneratorPool:
             for index in indices:
                 self.router.set_syncing(index, True)
             try:
-                indices = await self._relay_attempt(version, attempt, indices, push)
+                chain = [self.handles[i] for i in indices]
+                if attempt:
+                    logger.warning("relay v%d: attempt %d to %s", version, attempt,
+                                   ",".join(h.name for h in chain))
+
+                async def pulled(position: int, result: dict[str, float]) -> None:
+                    await self._pulled(indices[position], version, result["sent_bytes"], push)
+
+                missed = await relay_once(self.trainer, chain, version, attempt, push, pulled)
+                indices = [indices[p] for p in missed]
             finally:
                 for index in range(len(self.handles)):
                     self.router.set_syncing(index, False)
             attempt += 1
 
-    async def _relay_attempt(self, version: int, attempt: int, indices: list[int],
-                             push: _PushTotals) -> list[int]:
-        """One relay of ``version`` down ``indices`` (in that order); returns the serving
-        generators that did not get it (downstream of a generator lost mid-push)."""
-        chain = [self.handles[i] for i in indices]
-        waits = [asyncio.ensure_future(_until_lost(h, h.rank0.wait_weights.call_one(
-            version, attempt))) for h in chain]
-        try:
-            # The trainer's own call failing is the trainer's death (the job restarts it): its
-            # sends do not wait for generators, so a lost generator cannot fail it.
-            push.by_trainer(await self.trainer.relay_weights(chain, version, attempt))
-            cut = len(chain)  # chain positions past a lost generator never get the rest
-            position_of = {wait: p for p, wait in enumerate(waits)}
-            waiting = set(waits)
-            while active := {w for w in waiting if position_of[w] < cut}:
-                finished, _ = await asyncio.wait(active, timeout=RELAY_TIMEOUT_S,
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                if not finished:
-                    raise RuntimeError(f"relay of policy version {version}: no generator "
-                                       f"finished in {RELAY_TIMEOUT_S:.0f} s")
-                for wait in finished:
-                    waiting.discard(wait)
-                    p = position_of[wait]
-                    try:
-                        result = wait.result()
-                    except Exception as e:
-                        if not (isinstance(e, GeneratorLostError) or is_supervision_error(e)):
-                            raise
-                        chain[p].mark_lost(f"during the relay of v{version}: {e}")
-                        logger.warning("relay v%d: %s was lost (chain position %d of %d)",
-                                       version, chain[p].name, p, len(chain))
-                        cut = min(cut, p)
-                        continue
-                    push.by_generator(result)
-                    await self._pulled(indices[p], version, result["sent_bytes"], push)
-        finally:
-            for wait in waits:
-                wait.cancel()
-        return [indices[position_of[w]] for w in waiting
-                if chain[position_of[w]].lost_reason is None]
-
-    async def _pulled(self, index: int, version: int, moved: float, push: _PushTotals) -> None:
+    async def _pulled(self, index: int, version: int, moved: float, push: PushTotals) -> None:
         """Generator ``index`` serves ``version`` now."""
         generator = self.handles[index]
         if index not in self._push_reported:
@@ -247,7 +218,7 @@ class GeneratorPool:
         if self.abort_on_pull:
             # Partial rollouts: running requests return their tokens so far and are resumed
             # (prompt + partial) on the new weights (partial_rollout.py).
-            push.num_aborted += await _until_lost(generator, generator.abort(None))
+            push.num_aborted += await until_lost(generator, generator.abort(None))
         if self.trainer.verify_push and generator.weight_transport != "shared_memory":
             await self.trainer.verify_weights([generator], version)  # debug: gathers
             push.num_verified += 1
@@ -263,8 +234,8 @@ class GeneratorPool:
                 if generator.lost_reason is not None:
                     continue
                 try:
-                    await _until_lost(generator, generator.abort(None))
-                    await _until_lost(generator, generator.rewind_policy_version(version))
+                    await until_lost(generator, generator.abort(None))
+                    await until_lost(generator, generator.rewind_policy_version(version))
                 except Exception as e:
                     if not isinstance(e, GeneratorLostError):
                         generator.mark_lost(f"rewinding to v{version}: {short_report(str(e))}")
@@ -355,10 +326,10 @@ class GeneratorPool:
         """The current version into a replacement (not serving yet): shared memory, or a relay
         chain of one."""
         if new.weight_transport == "shared_memory":
-            await _until_lost(new, self.trainer.push_weights(new, version))
+            await until_lost(new, self.trainer.push_weights(new, version))
             return
         attempt = REPLACEMENT_ATTEMPT  # apart from the loop's attempts of the same version
-        wait = _until_lost(new, new.rank0.wait_weights.call_one(version, attempt))
+        wait = until_lost(new, new.rank0.wait_weights.call_one(version, attempt))
         waiting = asyncio.ensure_future(wait)
         try:
             await self.trainer.relay_weights([new], version, attempt)
@@ -397,70 +368,3 @@ class GeneratorPool:
             if isinstance(result, BaseException) and not isinstance(result,
                                                                     asyncio.CancelledError):
                 logger.warning("shutdown: %r", result)
-
-
-class _PushTotals:
-    """What one push_weights moved: bytes per sender (shared-memory copies count as trainer rank
-    0's), the last timings and the requests aborted."""
-
-    def __init__(self) -> None:
-        self.timings: dict[str, float] = {}
-        self.model_bytes = 0.0
-        self.bytes_moved = 0.0
-        self.busiest_trainer_rank = 0.0
-        self.by_shared_memory_bytes = 0.0
-        self.busiest_generator = 0.0
-        self.num_aborted = 0
-        self.num_verified = 0
-        """Relayed generators read back bit-exact (verify_weight_push; a difference raises)."""
-
-    def by_shared_memory(self, num_bytes: float) -> None:
-        self.model_bytes = num_bytes
-        self.bytes_moved += num_bytes
-        self.by_shared_memory_bytes += num_bytes
-
-    def by_trainer(self, sent: dict[str, float]) -> None:
-        self.model_bytes = sent["model_bytes"]
-        self.bytes_moved += sent["sent_bytes"]
-        self.busiest_trainer_rank = max(self.busiest_trainer_rank, sent["busiest_sender_bytes"])
-        self.timings["weight_sync/send_s"] = sent["send_s"]
-
-    def by_generator(self, result: dict[str, float]) -> None:
-        self.bytes_moved += result["sent_bytes"]
-        self.busiest_generator = max(self.busiest_generator, result["sent_bytes"])
-        for key in ("convert_s", "load_s"):
-            self.timings[f"weight_sync/generator_{key}"] = result[key]
-
-    def metrics(self, abort_on_pull: bool, **extra: float) -> dict[str, float]:
-        metrics = dict(self.timings)
-        if abort_on_pull:
-            metrics["generator/num_aborted_at_pull"] = float(self.num_aborted)
-        metrics["weight_sync/bytes_moved"] = self.bytes_moved
-        if self.num_verified:
-            metrics["weight_sync/relayed_generators_verified"] = float(self.num_verified)
-        metrics["weight_sync/model_bytes"] = self.model_bytes
-        metrics["weight_sync/bytes"] = self.model_bytes  # one push's payload, as before the relay
-        trainer_rank = self.busiest_trainer_rank + self.by_shared_memory_bytes
-        metrics["weight_sync/busiest_trainer_rank_bytes"] = trainer_rank
-        metrics["weight_sync/busiest_generator_bytes"] = self.busiest_generator
-        metrics["weight_sync/busiest_sender_bytes"] = max(trainer_rank, self.busiest_generator)
-        metrics.update(extra)
-        return metrics
-
-
-async def _until_lost(generator: GeneratorHandle, call: Awaitable[T]) -> T:
-    """Await ``call`` unless ``generator`` is lost first: then GeneratorLostError, without
-    waiting for a reply that may never come from the dead actor (monarch#3435)."""
-    task = asyncio.ensure_future(call)
-    lost = asyncio.ensure_future(generator.lost_event.wait())
-    try:
-        await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()  # the caller gave up (a relay past a lost generator): drop its reply
-        raise
-    finally:
-        lost.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    raise GeneratorLostError(f"{generator.name} was lost: {generator.lost_reason}")

@@ -270,6 +270,7 @@ class Generator(Actor, Configurable):
         """Every rank: the run went back to ``policy_version`` (its trainer was restored from a
         checkpoint); the next pull may be that version. Abort every request first (``abort``)."""
         self._loop().rewind(policy_version)
+        self._relay = None  # its (version, attempt) order would drop a relay of the older version
 
     @concurrent_endpoint
     async def get_policy_version(self) -> int:

@@ -70,11 +70,12 @@ class PolicyTrainer(Actor, Configurable):
         loss) plus the weight push, so ``trainer.optimizer.lr`` etc. sit at the top."""
 
         weight_transport: Literal["auto", "message", "shared_memory"] = "auto"
-        """How rank 0 pushes weights to each generator: ``shared_memory`` copies them once into
-        a POSIX shared segment and sends references (same machine only, see
-        weight_sync/shared_memory.py); ``message`` pickles the tensors into the Monarch message
-        (any host); ``auto`` picks shared memory for a generator on the trainer's machine and
-        the message elsewhere (decided per generator at spawn, logged once)."""
+        """How weights reach each generator: ``shared_memory``: rank 0 copies them once into a
+        POSIX shared segment and sends references (same machine only, see
+        weight_sync/shared_memory.py); ``message``: the relay (any host): every rank sends its
+        own shards in Monarch messages down a chain of the generators (weight_sync/relay.py);
+        ``auto`` picks shared memory for a generator on the trainer's machine and the relay
+        elsewhere (decided per generator at spawn, logged once)."""
         relay_chunk_bytes: int = 4 << 20
         """Message pushes (generators on other machines) relay the weights down a chain of
         generators in chunks of about this many bytes (weight_sync/relay.py): a push takes about
