@@ -189,6 +189,9 @@ class GeneratorPool:
         rest, take a new attempt on a chain without it."""
         assert self.router is not None
         attempt = 0
+        start = time.perf_counter()
+        if indices:
+            push.timings["weight_sync/num_relayed"] = float(len(indices))
         while indices:
             for index in indices:
                 self.router.set_syncing(index, True)
@@ -207,6 +210,8 @@ class GeneratorPool:
                 for index in range(len(self.handles)):
                     self.router.set_syncing(index, False)
             attempt += 1
+        if attempt:  # from the first send to the last generator's pull, attempts included
+            push.timings["weight_sync/relay_s"] = time.perf_counter() - start
 
     async def _pulled(self, index: int, version: int, moved: float, push: PushTotals) -> None:
         """Generator ``index`` serves ``version`` now."""
