@@ -149,8 +149,9 @@ class Generator(Actor, Configurable):
         self._host_stager: SharedMemoryStager | None = None
         self._relay: RelayNode | None = None
         self._mesh: Any = None
-        self._num_first_relay_chunks = 0
         """This generator's own actor mesh (from the relay's chain): rank 0 calls its peers."""
+        self._num_first_relay_chunks = 0
+        """Chunks of the first relayed push seen (the fault point kill_generator_mid_relay)."""
         self._outcomes: dict[str, tuple[Port, list[GenerateOutcome]]] = {}
         """submit() outcomes not sent yet, by reply port (sent at the end of this loop turn)."""
 
