@@ -1,7 +1,8 @@
 """Run a tiny job in its own process (for tests that kill it): python -m tests.controller.run_tiny_job
 OUTPUT_DIR NAME NUM_STEPS [--resume] [--num-prompts N] [--staleness S] [--partial-rollout abort]
 [--num-generators N] [--max-restarts N] [--trainer-max-restarts N] [--checkpoint-every N]
-[--max-skipped-in-row N] [--placement KIND] [--generator-tp 1,2]. Staleness 0 (the default) is synchronous training."""
+[--max-skipped-in-row N] [--placement KIND] [--generator-tp 1,2] [--num-trainer-ranks N]
+[--relay-chunk-bytes N] [--verify]. Staleness 0 (the default) is synchronous training."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-skipped-in-row", type=int, default=3)
     parser.add_argument("--placement", default="local")
     parser.add_argument("--generator-tp", default="", help="one TP degree per generator")
+    parser.add_argument("--num-trainer-ranks", type=int, default=1)
+    parser.add_argument("--relay-chunk-bytes", type=int, default=None)
+    parser.add_argument("--verify", action="store_true", help="verify_weight_push")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = tiny_job(args.output_dir, args.name, num_steps=args.num_steps,
@@ -44,7 +48,11 @@ def run(argv: list[str] | None = None) -> None:
         task=LetterTask.Config(num_prompts=args.num_prompts),
         checkpoint=dataclasses.replace(config.checkpoint, every_steps=args.checkpoint_every,
                                        resume="must" if args.resume else "never"),
-        trainer=dataclasses.replace(config.trainer, max_restarts=args.trainer_max_restarts),
+        trainer=dataclasses.replace(
+            config.trainer, max_restarts=args.trainer_max_restarts,
+            relay_chunk_bytes=args.relay_chunk_bytes or config.trainer.relay_chunk_bytes),
+        num_trainer_ranks=args.num_trainer_ranks,
+        verify_weight_push=args.verify,
         num_generators=args.num_generators,
         placement=Placement.Config(kind=args.placement),
         generator_tensor_parallel_degrees=[int(tp) for tp in args.generator_tp.split(",") if tp],

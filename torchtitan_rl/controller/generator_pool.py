@@ -4,9 +4,14 @@
              -> GeneratorHandle; its weight transport (shared memory on the trainer's machine,
              else the message; logged once); a GeneratorRouter over them (wrapped in a
              ResumingGenerateFn with partial rollouts) is the GenerateFn the rollouts call
-    push_weights(version): one generator at a time (the router keeps new sessions off it):
-             trainer.push_weights(generator, version); with partial rollouts, abort its running
-             requests
+    push_weights(version): generators on the trainer's machine one at a time (the router keeps
+             new sessions off it): trainer.push_weights(generator, version) (shared memory);
+             the others at once: trainer.relay_weights(chain, version, attempt) (every trainer
+             rank sends its shards to chain[0], each generator forwards to the next,
+             weight_sync/relay.py), then wait_weights(version, attempt) on each, raced against
+             its loss; a loss mid-relay: mark_lost, and the survivors after it in the chain get
+             attempt + 1 on a chain without it. Each generator done: with partial rollouts,
+             abort its running requests; verify_weight_push: trainer.verify_weights
     rewind(version): the trainer was restored to an older version (job.py): every generator
              aborts its requests and takes that version as its next pull
     loss:    a handle's call fails with Monarch's supervision error, or Monarch's fault hook names
@@ -24,8 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Callable
 
 from monarch.actor import ActorError
 
@@ -34,6 +38,13 @@ from torchtitan_rl.console import short_report
 from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
 from torchtitan_rl.controller.placement import RunHosts
 from torchtitan_rl.controller.router import GeneratorRouter
+from torchtitan_rl.controller.weight_push import (
+    RELAY_TIMEOUT_S,
+    REPLACEMENT_ATTEMPT,
+    PushTotals,
+    relay_once,
+    until_lost,
+)
 from torchtitan_rl.generator import (
     Generator,
     GeneratorHandle,
@@ -47,7 +58,6 @@ from torchtitan_rl.weight_sync import WeightTransport
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 STOP_TIMEOUT_S = 60.0
 SPAWN_TIMEOUT_S = 600.0
@@ -129,52 +139,94 @@ class GeneratorPool:
 
     # ---- weights --------------------------------------------------------------------------------
     async def push_weights(self, version: int) -> dict[str, float]:
-        """The trainer's weights to every serving generator, as policy ``version``; the metrics
-        are the last generator's, with the aborted requests summed over generators."""
+        """The trainer's weights to every serving generator, as policy ``version``: those on the
+        trainer's machine one at a time by shared memory, the others down one relay chain
+        (weight_sync/relay.py). Metrics: bytes (``bytes_moved`` summed over senders,
+        ``busiest_sender_bytes``, ``model_bytes``), the last push's timings, the aborted
+        requests summed over generators."""
         assert self.router is not None
-        metrics: dict[str, float] = {}
-        num_aborted = 0
-        bytes_moved = 0.0
         async with self._push_lock:
             self.policy_version = version
-            for index, generator in enumerate(self.handles):
-                if generator.lost_reason is not None:
-                    continue  # its replacement gets this version when it comes up
-                self.router.set_syncing(index, True)
-                trainer_called = False
-                try:
-                    metrics = await _until_lost(generator,
-                                                self.trainer.push_weights(generator, version))
-                    trainer_called = True
-                    # once per generator host, by message or shared memory (pull_on_every_rank)
-                    moved = metrics.get("weight_sync/bytes", 0.0)
-                    bytes_moved += moved
-                    if index not in self._push_reported:
-                        self._push_reported.add(index)
-                        logger.info("%s: a push moves %.1f MB by %s (%.2f s)", generator.name,
-                                    moved / 1e6, generator.weight_transport,
-                                    metrics.get("weight_sync/total_s", 0.0))
-                    if self.abort_on_pull:
-                        # Partial rollouts: running requests return their tokens so far and are
-                        # resumed (prompt + partial) on the new weights (partial_rollout.py).
-                        num_aborted += await _until_lost(generator, generator.abort(None))
-                except Exception as e:
-                    # The trainer's call failing by itself (not an error its endpoint raised) is
-                    # the trainer's death, not this generator's: the job restarts the trainer.
-                    trainer_died = not trainer_called and not isinstance(e, ActorError)
-                    if not (isinstance(e, GeneratorLostError)
-                            or (is_supervision_error(e) and not trainer_died)):
-                        raise
-                    generator.mark_lost(f"during the push of v{version}: {e}")
-                    logger.warning("push v%d to %s failed: it was lost", version, generator.name)
-                finally:
-                    self.router.set_syncing(index, False)
-        if self.abort_on_pull:
-            metrics["generator/num_aborted_at_pull"] = float(num_aborted)
-        metrics["weight_sync/bytes_moved"] = bytes_moved
+            push = PushTotals()
+            serving = [i for i, h in enumerate(self.handles) if h.lost_reason is None]
+            for index in serving:
+                if self.handles[index].weight_transport == "shared_memory":
+                    await self._push_by_shared_memory(index, version, push)
+            await self._relay(version, [i for i in serving if
+                                        self.handles[i].weight_transport != "shared_memory"], push)
+        metrics = push.metrics(self.abort_on_pull)
         metrics["weight_sync/generators_by_shared_memory"] = float(sum(
             h.weight_transport == "shared_memory" for h in self.handles))
         return metrics
+
+    async def _push_by_shared_memory(self, index: int, version: int, push: PushTotals) -> None:
+        assert self.router is not None
+        generator = self.handles[index]
+        self.router.set_syncing(index, True)
+        trainer_called = False
+        try:
+            metrics = await until_lost(generator, self.trainer.push_weights(generator, version))
+            trainer_called = True
+            push.timings.update(metrics)
+            moved = metrics.get("weight_sync/bytes", 0.0)
+            push.by_shared_memory(moved)
+            await self._pulled(index, version, moved, push)
+        except Exception as e:
+            # The trainer's call failing by itself (not an error its endpoint raised) is the
+            # trainer's death, not this generator's: the job restarts the trainer.
+            trainer_died = not trainer_called and not isinstance(e, ActorError)
+            if not (isinstance(e, GeneratorLostError)
+                    or (is_supervision_error(e) and not trainer_died)):
+                raise
+            generator.mark_lost(f"during the push of v{version}: {e}")
+            logger.warning("push v%d to %s failed: it was lost", version, generator.name)
+        finally:
+            self.router.set_syncing(index, False)
+
+    async def _relay(self, version: int, indices: list[int], push: PushTotals) -> None:
+        """Relay ``version`` down a chain of the generators ``indices``; a generator lost on the
+        way is replaced (mark_lost), and the survivors downstream of it, which never get the
+        rest, take a new attempt on a chain without it."""
+        assert self.router is not None
+        attempt = 0
+        start = time.perf_counter()
+        if indices:
+            push.timings["weight_sync/num_relayed"] = float(len(indices))
+        while indices:
+            for index in indices:
+                self.router.set_syncing(index, True)
+            try:
+                chain = [self.handles[i] for i in indices]
+                if attempt:
+                    logger.warning("relay v%d: attempt %d to %s", version, attempt,
+                                   ",".join(h.name for h in chain))
+
+                async def pulled(position: int, result: dict[str, float]) -> None:
+                    await self._pulled(indices[position], version, result["sent_bytes"], push)
+
+                missed = await relay_once(self.trainer, chain, version, attempt, push, pulled)
+                indices = [indices[p] for p in missed]
+            finally:
+                for index in range(len(self.handles)):
+                    self.router.set_syncing(index, False)
+            attempt += 1
+        if attempt:  # from the first send to the last generator's pull, attempts included
+            push.timings["weight_sync/relay_s"] = time.perf_counter() - start
+
+    async def _pulled(self, index: int, version: int, moved: float, push: PushTotals) -> None:
+        """Generator ``index`` serves ``version`` now."""
+        generator = self.handles[index]
+        if index not in self._push_reported:
+            self._push_reported.add(index)
+            logger.info("%s: pushes by %s; v%d moved %.1f MB", generator.name,
+                        generator.weight_transport, version, moved / 1e6)
+        if self.abort_on_pull:
+            # Partial rollouts: running requests return their tokens so far and are resumed
+            # (prompt + partial) on the new weights (partial_rollout.py).
+            push.num_aborted += await until_lost(generator, generator.abort(None))
+        if self.trainer.verify_push and generator.weight_transport != "shared_memory":
+            await self.trainer.verify_weights([generator], version)  # debug: gathers
+            push.num_verified += 1
 
     async def rewind(self, version: int) -> None:
         """The trainer was restored to ``version`` (an older policy than the generators serve):
@@ -187,8 +239,8 @@ class GeneratorPool:
                 if generator.lost_reason is not None:
                     continue
                 try:
-                    await _until_lost(generator, generator.abort(None))
-                    await _until_lost(generator, generator.rewind_policy_version(version))
+                    await until_lost(generator, generator.abort(None))
+                    await until_lost(generator, generator.rewind_policy_version(version))
                 except Exception as e:
                     if not isinstance(e, GeneratorLostError):
                         generator.mark_lost(f"rewinding to v{version}: {short_report(str(e))}")
@@ -249,7 +301,7 @@ class GeneratorPool:
                 new = await asyncio.wait_for(self._spawn(index, name), SPAWN_TIMEOUT_S)
                 async with self._push_lock:  # not while the loop pushes: one version, once
                     if self.policy_version > 0:  # else it serves model_dir: version 0 already
-                        await _until_lost(new, self.trainer.push_weights(new, self.policy_version))
+                        await self._push_replacement(new, self.policy_version)
                     self.handles[index] = new
             except BaseException:
                 if new is not None and self.handles[index] is not new:  # spawned, not serving
@@ -274,6 +326,23 @@ class GeneratorPool:
                                    - self._others_routed_at_loss.pop(index))
         logger.warning("%s replaced by %s (policy v%d) in %.1f s", old.name, name,
                        self.policy_version, self.last_recovery_s)
+
+    async def _push_replacement(self, new: GeneratorHandle, version: int) -> None:
+        """The current version into a replacement (not serving yet): shared memory, or a relay
+        chain of one."""
+        if new.weight_transport == "shared_memory":
+            await until_lost(new, self.trainer.push_weights(new, version))
+            return
+        attempt = REPLACEMENT_ATTEMPT  # apart from the loop's attempts of the same version
+        wait = until_lost(new, new.rank0.wait_weights.call_one(version, attempt))
+        waiting = asyncio.ensure_future(wait)
+        try:
+            await self.trainer.relay_weights([new], version, attempt)
+            await asyncio.wait_for(waiting, RELAY_TIMEOUT_S)
+        finally:
+            waiting.cancel()
+        if self.trainer.verify_push:
+            await self.trainer.verify_weights([new], version)
 
     def _others_routed(self, index: int) -> int:
         assert self.router is not None
@@ -304,18 +373,3 @@ class GeneratorPool:
             if isinstance(result, BaseException) and not isinstance(result,
                                                                     asyncio.CancelledError):
                 logger.warning("shutdown: %r", result)
-
-
-async def _until_lost(generator: GeneratorHandle, call: Awaitable[T]) -> T:
-    """Await ``call`` unless ``generator`` is lost first: then GeneratorLostError, without
-    waiting for a reply that may never come from the dead actor (monarch#3435)."""
-    task = asyncio.ensure_future(call)
-    lost = asyncio.ensure_future(generator.lost_event.wait())
-    try:
-        await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        lost.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    raise GeneratorLostError(f"{generator.name} was lost: {generator.lost_reason}")

@@ -12,6 +12,8 @@
                    each call:     send the PolicyTrainerCore method (forward_backward, ...)
                    push_weights:  send full_model_state_dict (every rank gathers); rank 0
                                   pushes it with WeightPusher (weight_sync/push.py)
+                   relay_weights: the same gather, then rank 0 alone sends the chunks to the
+                                  relay chain (the followers are no Monarch actors)
                    close(), and the finally of run_rank0 when the run fails: send stop
     ranks > 0    TrainerRank.follow(): receive a command, run it on this rank's
                  PolicyTrainerCore, repeat until stop; then exit 0 and print nothing
@@ -54,8 +56,9 @@ from torchtitan_rl.generator import GeneratorHandle
 from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
 from torchtitan_rl.trainer.core import PolicyTrainerCore, _device_type
 from torchtitan_rl.trainer.parallel import init_trainer_distributed
-from torchtitan_rl.trainer.trainer import TrainerClient
+from torchtitan_rl.trainer.trainer import TrainerClient, sender_totals
 from torchtitan_rl.weight_sync.push import WeightPusher
+from torchtitan_rl.weight_sync.relay import LinkPacer, relay_chunks, send_chunks
 from torchtitan_rl.weight_sync.shared_memory import machine_id
 
 logger = logging.getLogger(__name__)
@@ -181,11 +184,13 @@ class TorchrunTrainerClient(TrainerClient):
     sent from one worker thread so that the controller's event loop keeps going."""
 
     def __init__(self, *, trainer: TrainerRank, executor: concurrent.futures.Executor,
-                 **kwargs: Any) -> None:
+                 relay_chunk_bytes: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.trainer = trainer
         self.executor = executor
+        self.relay_chunk_bytes = relay_chunk_bytes
         self._pusher: WeightPusher | None = None
+        self._link = LinkPacer.from_env()
 
     async def _send(self, method: Callable[..., Any], *args: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -211,6 +216,27 @@ class TorchrunTrainerClient(TrainerClient):
         metrics["weight_sync/total_s"] = time.perf_counter() - start
         logger.info("pushed weights v%d in %.3fs", version, metrics["weight_sync/total_s"])
         return metrics
+
+    async def relay_weights(self, chain: list[GeneratorHandle], version: int, attempt: int
+                            ) -> dict[str, float]:
+        start = time.perf_counter()
+        state_dict = await self._send(PolicyTrainerCore.full_model_state_dict)
+        chunks, model_bytes = relay_chunks(state_dict, policy_version=version, attempt=attempt,
+                                           rank=0, chunk_bytes=self.relay_chunk_bytes)
+        sent = await send_chunks(chunks, [h.actors for h in chain], self._link)
+        return sender_totals([{"sent_bytes": float(sent), "model_bytes": float(model_bytes),
+                               "send_s": time.perf_counter() - start}])
+
+    async def verify_weights(self, generators: list[GeneratorHandle], version: int) -> None:
+        state_dict = await self._send(PolicyTrainerCore.full_model_state_dict)
+        for generator in generators:
+            await self._pusher_for_verify().verify(version, state_dict, generator.actors)
+
+    def _pusher_for_verify(self) -> WeightPusher:
+        if self._pusher is None:
+            assert self.trainer.core is not None
+            self._pusher = WeightPusher(model_config=self.trainer.core.model_config)
+        return self._pusher
 
     async def save_checkpoint(self, directory: pathlib.Path) -> None:
         await self._send(PolicyTrainerCore.save_checkpoint, str(directory), None)
@@ -239,6 +265,7 @@ def torchrun_trainer(trainer: TrainerRank, executor: concurrent.futures.Executor
         await loop.run_in_executor(executor, trainer.send, command)
         assert trainer.core is not None
         return TorchrunTrainerClient(trainer=trainer, executor=executor,
+                                     relay_chunk_bytes=trainer_config.relay_chunk_bytes,
                                      dp_size=trainer.core.dp_size, machine_id=machine_id(),
                                      batcher=batcher, verify_push=verify_push)
 

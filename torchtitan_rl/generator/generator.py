@@ -10,6 +10,9 @@
     trainer rank 0 -pull_model_state_dict(policy_version, sd)-> EVERY rank (each pulls full
         tensors; vLLM shards; weight_sync/pull.py) -> {convert_s, load_s} per rank
         (shared memory: -weights_staged(policy_version, bytes)-> every rank as the copy goes)
+    relay (weight_sync/relay.py): trainer ranks / the previous generator -receive_chunk(chunk,
+        chain, i)-> rank 0: forward to chain[i + 1], store; when whole: pull on every rank
+        (others read rank 0's host copy); controller -wait_weights(version, attempt)-> rank 0
     trainer rank 0 -read_hf_weights()-> every rank (verify a push bit for bit, TP 1)
     controller -abort(ids)-> rank 0;  -close()-> every rank;  then the procs are stopped
 
@@ -44,6 +47,7 @@ from torchtitan_rl.generator.config import WeightSyncPolicy
 from torchtitan_rl.generator.engine_loop import EngineLoop, StepStats
 from torchtitan_rl.generator.vllm_engine import unlink_cpu_tp_segments
 from torchtitan_rl.types import Completion, GenerateRequest, Sampling
+from torchtitan_rl.weight_sync.relay import RelayChunk, RelayNode
 from torchtitan_rl.weight_sync.shared_memory import SharedMemoryStager, machine_id
 
 logger = logging.getLogger(__name__)
@@ -164,6 +168,11 @@ class Generator(Actor, Configurable):
         self._no_calls_waiting.set()
         self.num_generate_calls = 0
         self._host_stager: SharedMemoryStager | None = None
+        self._relay: RelayNode | None = None
+        self._mesh: Any = None
+        """This generator's own actor mesh (from the relay's chain): rank 0 calls its peers."""
+        self._num_first_relay_chunks = 0
+        """Chunks of the first relayed push seen (the fault point kill_generator_mid_relay)."""
         self._outcomes: dict[str, tuple[Port, list[GenerateOutcome]]] = {}
         """submit() outcomes not sent yet, by reply port (sent at the end of this loop turn)."""
 
@@ -236,6 +245,30 @@ class Generator(Actor, Configurable):
             logger.exception("weights_staged(%d, %d) ignored", policy_version, num_bytes)
 
     @concurrent_endpoint
+    async def receive_chunk(self, chunk: RelayChunk, chain: list[Any], position: int) -> None:
+        """Rank 0 of ``chain[position]``: a chunk of a relayed push (weight_sync/relay.py),
+        forwarded at once to ``chain[position + 1]`` and stored; when the push is whole, every
+        rank pulls it. Sent by broadcast (no reply), so it must not raise."""
+        try:
+            if (position, chunk.policy_version, chunk.attempt) == (1, 1, 0):
+                self._num_first_relay_chunks += 1
+                maybe_kill("kill_generator_mid_relay", self._num_first_relay_chunks)
+            self._mesh = chain[position]
+            if self._relay is None:
+                self._relay = RelayNode(self._pull_relayed)
+            self._relay.receive(chunk, chain, position)
+        except Exception:
+            logger.exception("relay chunk of policy version %d dropped", chunk.policy_version)
+
+    @concurrent_endpoint
+    async def wait_weights(self, policy_version: int, attempt: int) -> dict[str, float]:
+        """Rank 0: returns once relayed push ``(policy_version, attempt)`` is pulled on every
+        rank: ``sent_bytes`` (forwarded down the chain), ``convert_s``, ``load_s``."""
+        if self._relay is None:
+            self._relay = RelayNode(self._pull_relayed)
+        return await self._relay.wait(policy_version, attempt)
+
+    @concurrent_endpoint
     async def abort(self, request_ids: list[str] | None = None) -> int:
         """Rank 0: abort requests (None: all in flight); their generate() calls return the tokens
         so far with finish reason 'abort'. Returns the number of requests found."""
@@ -259,6 +292,7 @@ class Generator(Actor, Configurable):
         """Every rank: the run went back to ``policy_version`` (its trainer was restored from a
         checkpoint); the next pull may be that version. Abort every request first (``abort``)."""
         self._loop().rewind(policy_version)
+        self._relay = None  # its (version, attempt) order would drop a relay of the older version
 
     @concurrent_endpoint
     async def get_policy_version(self) -> int:
@@ -289,6 +323,31 @@ class Generator(Actor, Configurable):
         return read_hf_weights(self._loop().engine)
 
     # ---- helpers --------------------------------------------------------------------------------
+    async def _pull_relayed(self, policy_version: int, state_dict: dict[str, torch.Tensor]
+                            ) -> dict[str, float]:
+        if policy_version == self._loop().policy_version:
+            # An earlier attempt of this push completed here after the controller gave up on it
+            # (a generator upstream was lost): the re-push finds the version served already.
+            return {"convert_s": 0.0, "load_s": 0.0}
+        tp = self.config.tensor_parallel_degree
+        if tp == 1:
+            return await self._loop().pull_model_state_dict(policy_version, state_dict)
+        # The other ranks share this host: they read one shared copy (as share_on_host).
+        if self._host_stager is None:
+            self._host_stager = SharedMemoryStager()
+        refs = self._host_stager.stage(state_dict)
+        others = self._mesh.slice(procs=slice(1, tp)).pull_model_state_dict.call(
+            policy_version, refs)
+        mine = await self._loop().pull_model_state_dict(policy_version, state_dict)
+        await others
+        return mine
+
+    def _handle_undeliverable_message(self, message: Any) -> bool:
+        # A relay chunk forwarded to a generator that just died bounces; Monarch's default would
+        # fail this generator for it. The controller re-pushes past the dead one instead.
+        logger.warning("undeliverable message (a lost generator?): %s", message.error_msg())
+        return True
+
     @contextlib.asynccontextmanager
     async def _waiting_call(self) -> AsyncIterator[None]:
         # Monarch sends an endpoint's reply as soon as its body returns, in the same task step:

@@ -4,11 +4,14 @@ and `TrainerClient`, the controller's one view of the trainer however its ranks 
     loop -train_step(samples, step)-> TrainerClient: batcher.pack(samples) -> TrainingBatch
       -forward_backward(batch)-> every rank: FSDP/TP fwd+bwd (gloo/NCCL) -metrics-> controller
       -optim_step()-> every rank: clip, AdamW, policy_version += 1 -metrics-> controller
-    generator pool -push_weights(generator, version)-> TrainerClient -> every rank: all-gather
-        full tensors; rank 0: WeightPusher.push (weight_sync/push.py) -pull_model_state_dict(
-        policy_version, torchtitan-named tensors: in the message, or shared-memory references
-        that unpickle as tensors)-> every generator rank;
-        verify: rank 0 -read_hf_weights()-> generators, compares bitwise, raises on a difference
+    generator pool -push_weights(generator, version)-> TrainerClient (shared memory: a
+        generator on this machine) -> every rank: all-gather full tensors; rank 0:
+        WeightPusher.push (weight_sync/push.py) -pull_model_state_dict(policy_version,
+        shared-memory references that unpickle as tensors)-> every generator rank
+    generator pool -relay_weights(chain, version, attempt)-> every rank: no gather; its own
+        shards in chunks -receive_chunk-> chain[0] rank 0, which relays (weight_sync/relay.py)
+    verify: -verify_weights(generators, version)-> every rank gathers; rank 0 -read_hf_weights()->
+        each generator, compares bitwise, raises on a difference
     checkpointer / job -save_checkpoint / load_checkpoint / export_hf-> every rank
     tests -compute_logprobs(batch)-> every rank -> [mb, dp, rows, seq_len] logprobs
 
@@ -48,6 +51,7 @@ from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
 from torchtitan_rl.trainer.core import PolicyTrainerCore
 from torchtitan_rl.types import TrainingSample
 from torchtitan_rl.weight_sync.push import WeightPusher, WeightTransport
+from torchtitan_rl.weight_sync.relay import LinkPacer, relay_chunks, send_chunks
 from torchtitan_rl.weight_sync.shared_memory import machine_id
 
 if TYPE_CHECKING:  # the trainer never imports the generator; the controller hands it over
@@ -66,11 +70,17 @@ class PolicyTrainer(Actor, Configurable):
         loss) plus the weight push, so ``trainer.optimizer.lr`` etc. sit at the top."""
 
         weight_transport: Literal["auto", "message", "shared_memory"] = "auto"
-        """How rank 0 pushes weights to each generator: ``shared_memory`` copies them once into
-        a POSIX shared segment and sends references (same machine only, see
-        weight_sync/shared_memory.py); ``message`` pickles the tensors into the Monarch message
-        (any host); ``auto`` picks shared memory for a generator on the trainer's machine and
-        the message elsewhere (decided per generator at spawn, logged once)."""
+        """How weights reach each generator: ``shared_memory``: rank 0 copies them once into a
+        POSIX shared segment and sends references (same machine only, see
+        weight_sync/shared_memory.py); ``message``: the relay (any host): every rank sends its
+        own shards in Monarch messages down a chain of the generators (weight_sync/relay.py);
+        ``auto`` picks shared memory for a generator on the trainer's machine and the relay
+        elsewhere (decided per generator at spawn, logged once)."""
+        relay_chunk_bytes: int = 4 << 20
+        """Message pushes (generators on other machines) relay the weights down a chain of
+        generators in chunks of about this many bytes (weight_sync/relay.py): a push takes about
+        (chunks + generators - 1) chunk times. Smaller: more overlap between the links, more
+        messages. 4 MiB: one chunk for the tiny test models, ~150 for a 600 MB model."""
         max_restarts: int = 3
         """In a job: how often a lost trainer (a rank's process died) is restarted inside the
         run: a new trainer mesh on the same hosts, restored from the newest complete checkpoint
@@ -82,6 +92,9 @@ class PolicyTrainer(Actor, Configurable):
             PolicyTrainerCore.Config.__post_init__(self)
             if self.max_restarts < 0:
                 raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+            if self.relay_chunk_bytes < 1:
+                raise ValueError(
+                    f"trainer.relay_chunk_bytes must be >= 1, got {self.relay_chunk_bytes}")
 
     def __init__(self, config: Config, *, model_dir: str | None = None,
                  restart: int = 0) -> None:
@@ -91,6 +104,8 @@ class PolicyTrainer(Actor, Configurable):
         self.core = PolicyTrainerCore(config, model_dir=model_dir)
         self.restart = restart
         self.weight_transport = config.weight_transport
+        self.relay_chunk_bytes = config.relay_chunk_bytes
+        self.link = LinkPacer.from_env()
         self.pusher = WeightPusher(model_config=self.core.model_config)
 
     @concurrent_endpoint
@@ -163,6 +178,30 @@ class PolicyTrainer(Actor, Configurable):
                     metrics["weight_sync/total_s"])
         return metrics
 
+    @concurrent_endpoint
+    async def send_weights(self, chain: list[Any], policy_version: int, attempt: int
+                           ) -> dict[str, float]:
+        """Every rank: send the pieces of the weights this rank owns (no gather) to the head of
+        ``chain`` (generator actor meshes) as push ``(policy_version, attempt)``; they relay it
+        (weight_sync/relay.py). Returns this rank's ``sent_bytes`` and the ``model_bytes``."""
+        start = time.perf_counter()
+        chunks, model_bytes = relay_chunks(
+            self.core.model_state_dict(), policy_version=policy_version, attempt=attempt,
+            rank=self.core.rank, chunk_bytes=self.relay_chunk_bytes)
+        sent = await send_chunks(chunks, chain, self.link)
+        return {"sent_bytes": float(sent), "model_bytes": float(model_bytes),
+                "send_s": time.perf_counter() - start}
+
+    @concurrent_endpoint
+    async def verify_weights(self, generators: list[Any], policy_version: int) -> int:
+        """Every rank gathers the full weights (debug mode); rank 0 reads each generator's back
+        and compares bit for bit: raises on a difference, else returns 0 mismatches."""
+        state_dict = self.core.full_model_state_dict()
+        if self.core.rank == 0:
+            for mesh in generators:
+                await self.pusher.verify(policy_version, state_dict, mesh)
+        return 0
+
     def _handle_undeliverable_message(self, message: Any) -> bool:
         # A push to a generator that just died bounces; Monarch's default would fail this actor
         # (the trainer) for it. The controller replaces the generator instead.
@@ -189,6 +228,14 @@ def rank0_value(values: Any) -> Any:
     if not items:
         raise RuntimeError("empty ValueMesh: the trainer mesh has no ranks")
     return min(items, key=lambda item: item[0].rank)[1]
+
+
+def sender_totals(per_sender: list[dict[str, float]]) -> dict[str, float]:
+    """The trainer's side of a relayed push from each sending rank's ``send_weights`` result."""
+    return {"model_bytes": max(v["model_bytes"] for v in per_sender),
+            "busiest_sender_bytes": max(v["sent_bytes"] for v in per_sender),
+            "sent_bytes": sum(v["sent_bytes"] for v in per_sender),
+            "send_s": max(v["send_s"] for v in per_sender)}
 
 
 def _fixed_transport(setting: str) -> WeightTransport:
@@ -255,6 +302,18 @@ class TrainerClient(abc.ABC):
         ``verify_push``): every rank gathers, rank 0 pushes."""
 
     @abc.abstractmethod
+    async def relay_weights(self, chain: list[GeneratorHandle], version: int, attempt: int
+                            ) -> dict[str, float]:
+        """Send the weights as push ``(version, attempt)`` to the head of ``chain``, which
+        relays them (weight_sync/relay.py); returns once sent: ``model_bytes``,
+        ``busiest_sender_bytes`` and ``sent_bytes`` (summed) over the trainer's senders."""
+
+    @abc.abstractmethod
+    async def verify_weights(self, generators: list[GeneratorHandle], version: int) -> None:
+        """Read each generator's weights back and compare them bit for bit with the trainer's
+        (a gather: debug mode); raises on a difference."""
+
+    @abc.abstractmethod
     async def save_checkpoint(self, directory: pathlib.Path) -> None: ...
 
     @abc.abstractmethod
@@ -307,6 +366,14 @@ class MonarchTrainerClient(TrainerClient):
         assert generator.weight_transport is not None, "the pool picks each generator's transport"
         return rank0_value(await self.actors.push_weights.call(
             generator.actors, version, self.verify_push, generator.weight_transport))
+
+    async def relay_weights(self, chain: list[GeneratorHandle], version: int, attempt: int
+                            ) -> dict[str, float]:
+        values = await self.actors.send_weights.call([h.actors for h in chain], version, attempt)
+        return sender_totals([value for _, value in values.items()])
+
+    async def verify_weights(self, generators: list[GeneratorHandle], version: int) -> None:
+        await self.actors.verify_weights.call([h.actors for h in generators], version)
 
     async def save_checkpoint(self, directory: pathlib.Path) -> None:
         await self.actors.save_checkpoint.call(str(directory), None)

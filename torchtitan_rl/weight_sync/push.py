@@ -1,5 +1,10 @@
 """The trainer side of a weight sync: rank 0 pushes a full state dict to a generator mesh.
 
+A job uses it for generators on the trainer's machine (shared memory); generators elsewhere get
+their weights through the relay (relay.py: no gather, each trainer rank sends its own shards, the
+generators forward them down a chain). The message transport here pushes to one mesh (benchmarks,
+tests, a single generator).
+
     every trainer rank: full_model_state_dict()   (a collective: the caller gathers first)
     rank 0: WeightPusher.push(policy_version, state_dict, generators, transport=, verify=)
       transport "message":        the tensors travel in a call to the generator's host (any
@@ -98,12 +103,14 @@ class WeightPusher:
         if verify:
             start = time.perf_counter()
             metrics["weight_sync/num_mismatched_tensors"] = float(
-                await self._verify(policy_version, state_dict, generators))
+                await self.verify(policy_version, state_dict, generators))
             metrics["weight_sync/verify_s"] = time.perf_counter() - start
         return metrics
 
-    async def _verify(self, policy_version: int, state_dict: dict[str, torch.Tensor],
-                      generators: Any) -> int:
+    async def verify(self, policy_version: int, state_dict: dict[str, torch.Tensor],
+                     generators: Any) -> int:
+        """Read every rank of ``generators`` back and compare bitwise with the full
+        ``state_dict``; raises RuntimeError on a difference, else returns 0."""
         expected = hf_state_dict_from_torchtitan(state_dict, self.model_config)
         tied = self.model_config.enable_weight_tying
         read_back = await generators.read_hf_weights.call()
