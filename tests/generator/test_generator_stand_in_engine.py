@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from torchtitan_rl.generator import Generator
-from torchtitan_rl.generator.generator import start_engine_loop
+from torchtitan_rl.generator import start_engine_loop
 from torchtitan_rl.generator.stand_in_engine import StandInEngine
 from torchtitan_rl.types import Sampling
 from torchtitan_rl.weight_sync import weight_mismatches

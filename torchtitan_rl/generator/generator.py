@@ -18,7 +18,7 @@
 
 Use it through `spawn_generator` / `GeneratorHandle` (launch.py), which call the endpoints with the
 right fan-out. Without Monarch (tests, benchmarks, a torchrun launch) `start_engine_loop(config)`
-builds the same `EngineLoop` in-process.
+(engine_start.py) builds the same `EngineLoop` in-process.
 
 Invariants: rank 0 alone decides; every rank applies the same decisions in the same order; every
 engine call of a rank runs in that rank's one engine thread; every future resolves or fails.
@@ -27,24 +27,23 @@ engine call of a rank runs in that rank's one engine thread; every future resolv
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from monarch.actor import Actor, Port, concurrent_endpoint, current_rank
 
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.console import configure_process_logging
 from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.generator.config import WeightSyncPolicy
-from torchtitan_rl.generator.engine_loop import EngineLoop, StepStats
+from torchtitan_rl.generator.engine_loop import EngineLoop
+from torchtitan_rl.generator.engine_start import start_engine_loop
 from torchtitan_rl.generator.vllm_engine import unlink_cpu_tp_segments
 from torchtitan_rl.types import Completion, GenerateRequest, Sampling
 from torchtitan_rl.weight_sync.relay import RelayChunk, RelayNode
@@ -391,70 +390,3 @@ class Generator(Actor, Configurable):
         if self.loop is None:
             raise RuntimeError("generator not started: call start() on every rank first")
         return self.loop
-
-
-async def start_engine_loop(
-    config: Generator.Config,
-    *,
-    on_step: Callable[[StepStats], None] | None = None,
-    wrap_engine: Callable[[Any], Any] | None = None,
-) -> EngineLoop:
-    """Build this rank's engine in a fresh engine thread and start its loop on the running event
-    loop: the one code path of the actor, tests, benchmarks and torchrun launches.
-
-    With tensor_parallel_degree > 1 every rank calls this at the same time, with the torch
-    elastic env set (WORLD_SIZE == tensor_parallel_degree). ``wrap_engine`` wraps the built
-    engine (tests inject faults with it)."""
-    from torchtitan_rl.generator.loop_decision import DecisionChannel
-    from torchtitan_rl.weight_sync.pull import WeightPuller, is_cpu_platform
-
-    tp = config.tensor_parallel_degree
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if tp > 1 and world != tp:
-        raise RuntimeError(
-            f"tensor_parallel_degree={tp} needs WORLD_SIZE={tp} in the environment (torch "
-            f"elastic env, e.g. monarch.spmd.setup_torch_elastic_env), got WORLD_SIZE={world}"
-        )
-    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
-    loop = asyncio.get_running_loop()
-    engine = await loop.run_in_executor(executor, _build_engine_in_thread, config)
-    load = config.weight_sync.load
-    if load == "auto":  # the fast path where vLLM's CPU layout allows it
-        load = "in_place" if (config.engine == "vllm" and tp == 1 and config.enforce_eager
-                              and is_cpu_platform()) else "reload"
-        logger.info("weight_sync.load='auto': %s", load)
-    puller = WeightPuller(config.model_dir, load=load,  # type: ignore[arg-type]
-                          repack_cpu_linears=config.weight_sync.repack_cpu_linears)
-    await loop.run_in_executor(executor, puller.setup, engine)
-    channel = None
-    if tp > 1:
-        # After the engine: vLLM has initialised the default process group by now.
-        channel = await loop.run_in_executor(executor, DecisionChannel.new_gloo_group)
-    engine_loop = EngineLoop(
-        wrap_engine(engine) if wrap_engine is not None else engine,
-        prepare_weights=puller.prepare,
-        apply_weights=puller.apply,
-        weight_sync=config.weight_sync,
-        max_engine_steps_between_decisions=config.max_engine_steps_between_decisions,
-        default_sampling=config.sampling,
-        initial_policy_version=config.initial_policy_version,
-        channel=channel,
-        executor=executor,
-        on_step=on_step,
-    )
-    engine_loop.start()
-    return engine_loop
-
-
-def _build_engine_in_thread(config: Generator.Config) -> Any:
-    from torchtitan_rl.generator.vllm_engine import engine_builder
-
-    threads = config.torch_num_threads
-    if threads is None and config.tensor_parallel_degree > 1:
-        threads = 1
-    if threads is not None:
-        torch.set_num_threads(threads)
-    engine = engine_builder(config.engine)(config)
-    if config.tensor_parallel_degree > 1:
-        assert dist.is_initialized(), "vLLM's external_launcher left no default process group"
-    return engine
