@@ -1,7 +1,7 @@
 """Run a tiny job in its own process (for tests that kill it): python -m tests.controller.run_tiny_job
 OUTPUT_DIR NAME NUM_STEPS [--resume] [--num-prompts N] [--staleness S] [--partial-rollout abort]
 [--num-generators N] [--max-restarts N] [--trainer-max-restarts N] [--checkpoint-every N]
-[--max-skipped-in-row N] [--placement KIND] [--generator-tp 1,2]. Staleness 0 (the default) is synchronous training."""
+[--max-skipped-in-row N] [--placement KIND] [--generator-tp 1,2] [--num-workers N]. Staleness 0 (the default) is synchronous training."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-skipped-in-row", type=int, default=3)
     parser.add_argument("--placement", default="local")
     parser.add_argument("--generator-tp", default="", help="one TP degree per generator")
+    parser.add_argument("--num-workers", type=int, default=0, help="rollouter.num_workers")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = tiny_job(args.output_dir, args.name, num_steps=args.num_steps,
@@ -42,6 +43,7 @@ def run(argv: list[str] | None = None) -> None:
     config = dataclasses.replace(
         config,
         task=LetterTask.Config(num_prompts=args.num_prompts),
+        rollouter=dataclasses.replace(config.rollouter, num_workers=args.num_workers),
         checkpoint=dataclasses.replace(config.checkpoint, every_steps=args.checkpoint_every,
                                        resume="must" if args.resume else "never"),
         trainer=dataclasses.replace(config.trainer, max_restarts=args.trainer_max_restarts),
