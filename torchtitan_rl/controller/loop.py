@@ -13,9 +13,10 @@ The bound (staleness.py): a group admitted at version v is trained at a step <= 
 synchronous training: the producer admits exactly one step's groups and waits, so every step
 generates with the newest weights, then trains. S >= 1 overlaps generation and training.
 
-Validation always runs in this process (parts.generate_fn), workers or not. Each step logs the
-controller's CPU time per generated turn while it waited for the step's groups
-(rollout/controller_cpu_ms_per_turn; exact at S = 0, where nothing else runs meanwhile).
+Validation always runs in this process (parts.generate_fn), workers or not. Each step logs
+rollout/controller_cpu_ms_per_turn: this process's CPU time (every thread, Monarch's too) from
+the end of the previous step to this step's metrics, less the trainer's and the push's calls,
+per turn trained; rollouts that overlap those calls, validation or a checkpoint are not counted.
 
 Resume: groups finished but untrained at the checkpoint come back with their samples; groups in
 flight restart from their prompts (same group id -> same prompt and request seeds).
@@ -125,6 +126,8 @@ class TrainingLoop(Configurable):
         self.num_admitted = self.num_finished = self.num_dropped = 0
         self.num_skipped_steps = self.num_skipped_in_row = self.num_checkpoints = 0
         self.num_groups_restarted = 0
+        self._cpu_mark = 0.0
+        """The controller's CPU time (time.process_time) where the next step's window starts."""
         self._tasks: set[asyncio.Task] = set()
         self._failure: BaseException | None = None
         self._stopping = False
@@ -136,6 +139,7 @@ class TrainingLoop(Configurable):
             await self.validate(self.state.step)
         await self._restore_groups()
         self.idle_ratios.restart()
+        self._cpu_mark = time.process_time()
         producer = asyncio.create_task(self._produce(), name="rollout-producer")
         self._tasks.add(producer)  # a producer that fails fails the run, as a rollout does
         producer.add_done_callback(self._on_task_done)
@@ -211,9 +215,9 @@ class TrainingLoop(Configurable):
     # ---- trainer ---------------------------------------------------------------------------------
     async def _train_step(self, step: int) -> None:
         parts, state = self.parts, self.state
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start = time.perf_counter()
         taken = await self._take(step)
-        train_start, generate_cpu_s = time.perf_counter(), time.process_time() - cpu_start
+        train_start, train_cpu_start = time.perf_counter(), time.process_time()
         results = [result for _, _, result in taken]
         groups = [r.group for r in results if r.group is not None]
         samples = [s for r in results for s in r.finished.samples]
@@ -226,7 +230,7 @@ class TrainingLoop(Configurable):
         if not self._count_skipped(step, train_metrics):  # else: the weights did not change
             push_metrics = await parts.generators.push_weights(version)
         await self.gate.publish_version(version)
-        end = time.perf_counter()
+        end, train_cpu_s = time.perf_counter(), time.process_time() - train_cpu_start
 
         state.step = version
         state.trained_group_ids.extend(group_ids)
@@ -251,8 +255,9 @@ class TrainingLoop(Configurable):
             "generator/groups_restarted_after_loss": float(self.num_groups_restarted),
         }
         num_turns = sum(len(r.turns) for g in groups for r in g.rollouts)
-        if num_turns:
-            metrics["rollout/controller_cpu_ms_per_turn"] = 1e3 * generate_cpu_s / num_turns
+        if num_turns:  # the step's CPU here but the trainer's and the push's calls, per turn
+            rollout_cpu_s = time.process_time() - self._cpu_mark - train_cpu_s
+            metrics["rollout/controller_cpu_ms_per_turn"] = 1e3 * rollout_cpu_s / num_turns
         if "rollout_reward/mean" in metrics:
             state.reward_history.append((step, metrics["rollout_reward/mean"]))
         parts.metrics.log(step, metrics)
@@ -273,6 +278,7 @@ class TrainingLoop(Configurable):
             await parts.checkpointer.save(parts.trainer, state)
             self.num_checkpoints += 1
             maybe_kill("kill_controller_after_checkpoints", self.num_checkpoints)
+        self._cpu_mark = time.process_time()  # validation and checkpoints are not rollouts
 
     def _count_skipped(self, step: int, train_metrics: dict[str, float]) -> bool:
         """Whether the trainer skipped this step's update (non-finite loss or gradient norm);
