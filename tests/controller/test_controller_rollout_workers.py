@@ -209,6 +209,7 @@ def test_a_generator_killed_with_workers_on_is_replaced_and_its_groups_restart(t
     last = read_metrics(run_dir)[num_steps - 1]
     assert last["generator/restarts"] == 1
     assert "generator_0 replaced by generator_0_r1" in log.text()
-    # the worker's groups that had a request on the dead generator restarted whole, each once
-    assert last["generator/groups_restarted_after_loss"] == log.text().count(
-        "restarts from its prompt")
+    # The kill lands while step 2's groups generate in the worker (admitted when step 1's
+    # weights were published): those with a request on the dead generator restarted whole.
+    restarts = last["generator/groups_restarted_after_loss"]
+    assert restarts == log.text().count("restarts from its prompt") >= 1, log.text()[-4000:]
