@@ -14,9 +14,9 @@ synchronous training: the producer admits exactly one step's groups and waits, s
 generates with the newest weights, then trains. S >= 1 overlaps generation and training.
 
 Validation always runs in this process (parts.generate_fn), workers or not. Each step logs
-rollout/controller_cpu_ms_per_turn: this process's CPU time (every thread, Monarch's too) from
-the end of the previous step to this step's metrics, less the trainer's and the push's calls,
-per turn trained; rollouts that overlap those calls, validation or a checkpoint are not counted.
+rollout/controller_cpu_ms_per_turn: this process's CPU time (every thread, Monarch's too) while
+it waits for the step's groups (from the end of the previous step to taking them), per turn
+trained; rollout work that overlaps training, the push, metrics or validation is not counted.
 
 Resume: groups finished but untrained at the checkpoint come back with their samples; groups in
 flight restart from their prompts (same group id -> same prompt and request seeds).
@@ -217,7 +217,7 @@ class TrainingLoop(Configurable):
         parts, state = self.parts, self.state
         start = time.perf_counter()
         taken = await self._take(step)
-        train_start, train_cpu_start = time.perf_counter(), time.process_time()
+        train_start, rollout_cpu_s = time.perf_counter(), time.process_time() - self._cpu_mark
         results = [result for _, _, result in taken]
         groups = [r.group for r in results if r.group is not None]
         samples = [s for r in results for s in r.finished.samples]
@@ -230,7 +230,7 @@ class TrainingLoop(Configurable):
         if not self._count_skipped(step, train_metrics):  # else: the weights did not change
             push_metrics = await parts.generators.push_weights(version)
         await self.gate.publish_version(version)
-        end, train_cpu_s = time.perf_counter(), time.process_time() - train_cpu_start
+        end = time.perf_counter()
 
         state.step = version
         state.trained_group_ids.extend(group_ids)
@@ -255,8 +255,7 @@ class TrainingLoop(Configurable):
             "generator/groups_restarted_after_loss": float(self.num_groups_restarted),
         }
         num_turns = sum(len(r.turns) for g in groups for r in g.rollouts)
-        if num_turns:  # the step's CPU here but the trainer's and the push's calls, per turn
-            rollout_cpu_s = time.process_time() - self._cpu_mark - train_cpu_s
+        if num_turns:
             metrics["rollout/controller_cpu_ms_per_turn"] = 1e3 * rollout_cpu_s / num_turns
         if "rollout_reward/mean" in metrics:
             state.reward_history.append((step, metrics["rollout_reward/mean"]))
@@ -278,7 +277,7 @@ class TrainingLoop(Configurable):
             await parts.checkpointer.save(parts.trainer, state)
             self.num_checkpoints += 1
             maybe_kill("kill_controller_after_checkpoints", self.num_checkpoints)
-        self._cpu_mark = time.process_time()  # validation and checkpoints are not rollouts
+        self._cpu_mark = time.process_time()  # metrics, validation, checkpoints: not rollouts
 
     def _count_skipped(self, step: int, train_metrics: dict[str, float]) -> bool:
         """Whether the trainer skipped this step's update (non-finite loss or gradient norm);
