@@ -5,7 +5,8 @@ worker's outcome (a lost generator is GeneratorLostError here; a cancelled call 
 there), the agent-task refusal. Slow (real Monarch procs, vLLM, torchtitan): a job whose rollouts
 run in two workers on a simulated generator host trains exactly the groups and losses of a job
 without workers (S = 0, one seed); a generator killed mid-run with workers on is replaced and its
-groups restart whole.
+groups restart whole; partial rollouts in two workers over two generators keep the staleness
+bound and resume every aborted request.
 """
 
 from __future__ import annotations
@@ -213,3 +214,19 @@ def test_a_generator_killed_with_workers_on_is_replaced_and_its_groups_restart(t
     # weights were published): those with a request on the dead generator restarted whole.
     restarts = last["generator/groups_restarted_after_loss"]
     assert restarts == log.text().count("restarts from its prompt") >= 1, log.text()[-4000:]
+
+
+@pytest.mark.slow
+def test_partial_rollouts_in_workers_over_two_generators_stay_within_staleness(tmp_path):
+    run_dir = _run_job(tmp_path, "partial", "--staleness", "1", "--partial-rollout", "abort",
+                       "--num-generators", "2", "--num-workers", "2")
+    metrics = {step: m for step, m in read_metrics(run_dir).items() if "loss/value" in m}
+    assert sorted(metrics) == [0, 1, 2]  # (step 3 holds the final validation only)
+    aborted = sum(m.get("generator/num_aborted_at_pull", 0.0) for m in metrics.values())
+    resumed = metrics[2]["generator/num_resumed_requests"]
+    for step, m in metrics.items():
+        assert m["async/policy_age_max"] <= 1, step  # the staleness bound, with workers
+        assert m["rollout/status/error_abort"] == 0, step  # every aborted request resumed
+    assert 0 <= resumed <= aborted and (resumed > 0) == (aborted > 0), (aborted, resumed)
+    assert metrics[2]["router/generator_0/num_routed"] > 0
+    assert metrics[2]["router/generator_1/num_routed"] > 0

@@ -250,8 +250,7 @@ class TrainingLoop(Configurable):
             "throughput/num_training_samples": float(len(samples)),
             **self.idle_ratios.end_step(trainer_busy_s=end - train_start),
             **parts.generators.metrics(),
-            **(parts.workers.metrics(parts.generators.router.num_routed)  # type: ignore[union-attr]
-               if parts.workers is not None else {}),
+            **self._worker_metrics(),
             "generator/groups_restarted_after_loss": float(self.num_groups_restarted),
         }
         num_turns = sum(len(r.turns) for g in groups for r in g.rollouts)
@@ -278,6 +277,14 @@ class TrainingLoop(Configurable):
             self.num_checkpoints += 1
             maybe_kill("kill_controller_after_checkpoints", self.num_checkpoints)
         self._cpu_mark = time.process_time()  # metrics, validation, checkpoints: not rollouts
+
+    def _worker_metrics(self) -> dict[str, float]:
+        """The rollout workers' share of the router and resume counts (they route themselves)."""
+        workers, pool = self.parts.workers, self.parts.generators
+        if workers is None or pool.router is None:
+            return {}
+        return workers.metrics(pool.router.num_routed,
+                               pool.resuming.num_resumed if pool.resuming is not None else None)
 
     def _count_skipped(self, step: int, train_metrics: dict[str, float]) -> bool:
         """Whether the trainer skipped this step's update (non-finite loss or gradient norm);

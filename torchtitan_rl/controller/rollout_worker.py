@@ -83,6 +83,8 @@ class GroupOutcome:
     num_routed: list[int] = dataclasses.field(default_factory=list)
     """Requests this worker has routed to each generator so far (cumulative, for the
     controller's router metrics)."""
+    num_resumed: int = 0
+    """Requests this worker has resumed after a pull aborted them so far (partial rollouts)."""
 
 
 class RolloutWorker(Actor):
@@ -130,13 +132,19 @@ class RolloutWorker(Actor):
             group = await task
         except GeneratorLostError as e:
             return GroupOutcome(group_id=group_id, group=None, lost_reason=str(e),
-                                num_routed=list(self.router.num_routed))
+                                num_routed=list(self.router.num_routed),
+                                num_resumed=self._num_resumed())
         finally:
             if self._groups.get(group_id) is task:
                 del self._groups[group_id]
         return GroupOutcome(group_id=group_id, group=group,
                             samples=rollout_group_to_training_samples(group),
-                            num_routed=list(self.router.num_routed))
+                            num_routed=list(self.router.num_routed),
+                            num_resumed=self._num_resumed())
+
+    def _num_resumed(self) -> int:
+        fn = self.generate_fn
+        return fn.num_resumed if isinstance(fn, ResumingGenerateFn) else 0
 
     @concurrent_endpoint
     async def cancel_group(self, group_id: int) -> None:

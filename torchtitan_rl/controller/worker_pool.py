@@ -73,6 +73,8 @@ class RolloutWorkerPool:
         self.busy_clock = busy_clock or BusyClock()
         self._num_routed = [[0] * num_generators for _ in workers]
         """Each worker's cumulative requests per generator, as its latest outcome said."""
+        self._num_resumed = [0] * len(workers)
+        """Each worker's cumulative resumed requests (partial rollouts), likewise."""
 
     @classmethod
     async def spawn(cls, spec: RolloutWorkerSpec, num_workers: int, *,
@@ -111,6 +113,7 @@ class RolloutWorkerPool:
             self.busy_clock.exit()
             self.assigner.release(index)
         self._num_routed[index] = outcome.num_routed
+        self._num_resumed[index] = outcome.num_resumed
         if outcome.lost_reason is not None:
             raise GeneratorLostError(outcome.lost_reason)
         return outcome
@@ -130,11 +133,17 @@ class RolloutWorkerPool:
         for _, actor in self.workers:
             actor.put_back.broadcast(index, ref)
 
-    def metrics(self, controller_routed: list[int]) -> dict[str, float]:
-        """Requests routed to each generator: the controller's (validation) + the workers'."""
-        return {f"router/generator_{g}/num_routed":
-                float(n + sum(routed[g] for routed in self._num_routed if g < len(routed)))
-                for g, n in enumerate(controller_routed)}
+    def metrics(self, controller_routed: list[int],
+                controller_resumed: int | None = None) -> dict[str, float]:
+        """Requests routed to each generator, and resumed after an abort (``controller_resumed``
+        None: no partial rollouts): the controller's (validation) + the workers'."""
+        metrics = {f"router/generator_{g}/num_routed":
+                   float(n + sum(routed[g] for routed in self._num_routed if g < len(routed)))
+                   for g, n in enumerate(controller_routed)}
+        if controller_resumed is not None:
+            metrics["generator/num_resumed_requests"] = float(
+                controller_resumed + sum(self._num_resumed))
+        return metrics
 
     async def close(self) -> None:
         async def close_one(procs: Any, actor: Any) -> None:
