@@ -134,6 +134,13 @@ class RolloutWorker(Actor):
             return GroupOutcome(group_id=group_id, group=None, lost_reason=str(e),
                                 num_routed=list(self.router.num_routed),
                                 num_resumed=self._num_resumed())
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # this endpoint itself is cancelled (the worker stops)
+            # cancel_group: the controller gave the group up and reads no reply
+            return GroupOutcome(group_id=group_id, group=None,
+                                lost_reason="cancelled by the controller")
         finally:
             if self._groups.get(group_id) is task:
                 del self._groups[group_id]
