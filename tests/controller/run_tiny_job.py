@@ -2,7 +2,8 @@
 OUTPUT_DIR NAME NUM_STEPS [--resume] [--num-prompts N] [--staleness S] [--partial-rollout abort]
 [--num-generators N] [--max-restarts N] [--trainer-max-restarts N] [--checkpoint-every N]
 [--max-skipped-in-row N] [--placement KIND] [--generator-tp 1,2] [--num-trainer-ranks N]
-[--relay-chunk-bytes N] [--verify]. Staleness 0 (the default) is synchronous training."""
+[--relay-chunk-bytes N] [--verify] [--num-workers N]. Staleness 0 (the default) is synchronous
+training."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-trainer-ranks", type=int, default=1)
     parser.add_argument("--relay-chunk-bytes", type=int, default=None)
     parser.add_argument("--verify", action="store_true", help="verify_weight_push")
+    parser.add_argument("--num-workers", type=int, default=0, help="rollouter.num_workers")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = tiny_job(args.output_dir, args.name, num_steps=args.num_steps,
@@ -46,6 +48,7 @@ def run(argv: list[str] | None = None) -> None:
     config = dataclasses.replace(
         config,
         task=LetterTask.Config(num_prompts=args.num_prompts),
+        rollouter=dataclasses.replace(config.rollouter, num_workers=args.num_workers),
         checkpoint=dataclasses.replace(config.checkpoint, every_steps=args.checkpoint_every,
                                        resume="must" if args.resume else "never"),
         trainer=dataclasses.replace(

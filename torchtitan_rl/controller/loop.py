@@ -1,7 +1,9 @@
 """The training loop: rollout workers generate while the trainer trains, within a staleness bound.
 
     producer:  gate.admit() -> group g at policy version v -> task: rollouter.run_group_rollouts(
-               task.dataset("train")[cursor.prompt_index(g)]) -> gate.finish(g, samples)
+               task.dataset("train")[cursor.prompt_index(g)]) in this process, or in a rollout
+               worker (rollouter.num_workers > 0: workers.run_group(g, prompt index) -> the
+               group and its packed samples) -> gate.finish(g, samples)
                (a group that lost its generator restarts whole from its prompt)
     trainer:   gate.take_step_groups(step) -> P finished groups -> trainer.train_step(samples)
                -> generators.push_weights(step + 1) -> gate.publish_version(step + 1)
@@ -10,6 +12,11 @@
 The bound (staleness.py): a group admitted at version v is trained at a step <= v + S. S = 0 is
 synchronous training: the producer admits exactly one step's groups and waits, so every step
 generates with the newest weights, then trains. S >= 1 overlaps generation and training.
+
+Validation always runs in this process (parts.generate_fn), workers or not. Each step logs
+rollout/controller_cpu_ms_per_turn: this process's CPU time (every thread, Monarch's too) while
+it waits for the step's groups (from the end of the previous step to taking them), per turn
+trained; rollout work that overlaps training, the push, metrics or validation is not counted.
 
 Resume: groups finished but untrained at the checkpoint come back with their samples; groups in
 flight restart from their prompts (same group id -> same prompt and request seeds).
@@ -36,6 +43,7 @@ from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.generator import GeneratorLostError
 from torchtitan_rl.rollout import rollout_group_to_training_samples, rollout_metrics
 from torchtitan_rl.rollout.types import RolloutGroup
+from torchtitan_rl.types import TrainingSample
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +126,8 @@ class TrainingLoop(Configurable):
         self.num_admitted = self.num_finished = self.num_dropped = 0
         self.num_skipped_steps = self.num_skipped_in_row = self.num_checkpoints = 0
         self.num_groups_restarted = 0
+        self._cpu_mark = 0.0
+        """The controller's CPU time (time.process_time) where the next step's window starts."""
         self._tasks: set[asyncio.Task] = set()
         self._failure: BaseException | None = None
         self._stopping = False
@@ -129,6 +139,7 @@ class TrainingLoop(Configurable):
             await self.validate(self.state.step)
         await self._restore_groups()
         self.idle_ratios.restart()
+        self._cpu_mark = time.process_time()
         producer = asyncio.create_task(self._produce(), name="rollout-producer")
         self._tasks.add(producer)  # a producer that fails fails the run, as a rollout does
         producer.add_done_callback(self._on_task_done)
@@ -163,14 +174,10 @@ class TrainingLoop(Configurable):
             self._failure = task.exception()
 
     async def _rollout(self, group_id: int, admit_version: int) -> None:
-        parts = self.parts
-        episode = self.train_episodes[parts.cursor.prompt_index(group_id)]
         attempt = 0
         while True:
             try:
-                group = await parts.rollouter.run_group_rollouts(
-                    parts.generate_fn, episode, group_id, parts.group_size, parts.sampling,
-                    attempt=attempt)
+                group, samples = await self._run_group(group_id, attempt)
                 break
             except GeneratorLostError as e:
                 # Whole, from its prompt, with the same group id (same request seeds), exactly
@@ -185,20 +192,32 @@ class TrainingLoop(Configurable):
                 logger.warning("group %d restarts from its prompt: %s", group_id, e)
         self.num_finished += 1
         self.num_dropped += group.dropped
-        finished = FinishedGroup(
-            group_id=group_id, admit_version=admit_version,
-            samples=rollout_group_to_training_samples(group), rewards=group.rewards,
-            dropped=group.dropped,
-        )
+        finished = FinishedGroup(group_id=group_id, admit_version=admit_version, samples=samples,
+                                 rewards=group.rewards, dropped=group.dropped)
         await self.gate.finish(group_id, _GroupResult(finished=finished, group=group))
         maybe_kill("kill_controller_after_groups", self.num_finished)
+
+    async def _run_group(self, group_id: int,
+                         attempt: int) -> tuple[RolloutGroup, list[TrainingSample]]:
+        """The group and its packed samples, from a rollout worker or from this process."""
+        parts = self.parts
+        prompt_index = parts.cursor.prompt_index(group_id)
+        if parts.workers is not None:
+            outcome = await parts.workers.run_group(group_id, prompt_index, parts.group_size,
+                                                    parts.sampling, attempt=attempt)
+            assert outcome.group is not None
+            return outcome.group, outcome.samples
+        group = await parts.rollouter.run_group_rollouts(
+            parts.generate_fn, self.train_episodes[prompt_index], group_id, parts.group_size,
+            parts.sampling, attempt=attempt)
+        return group, rollout_group_to_training_samples(group)
 
     # ---- trainer ---------------------------------------------------------------------------------
     async def _train_step(self, step: int) -> None:
         parts, state = self.parts, self.state
         start = time.perf_counter()
         taken = await self._take(step)
-        train_start = time.perf_counter()
+        train_start, rollout_cpu_s = time.perf_counter(), time.process_time() - self._cpu_mark
         results = [result for _, _, result in taken]
         groups = [r.group for r in results if r.group is not None]
         samples = [s for r in results for s in r.finished.samples]
@@ -231,8 +250,12 @@ class TrainingLoop(Configurable):
             "throughput/num_training_samples": float(len(samples)),
             **self.idle_ratios.end_step(trainer_busy_s=end - train_start),
             **parts.generators.metrics(),
+            **self._worker_metrics(),
             "generator/groups_restarted_after_loss": float(self.num_groups_restarted),
         }
+        num_turns = sum(len(r.turns) for g in groups for r in g.rollouts)
+        if num_turns:
+            metrics["rollout/controller_cpu_ms_per_turn"] = 1e3 * rollout_cpu_s / num_turns
         if "rollout_reward/mean" in metrics:
             state.reward_history.append((step, metrics["rollout_reward/mean"]))
         parts.metrics.log(step, metrics)
@@ -253,6 +276,15 @@ class TrainingLoop(Configurable):
             await parts.checkpointer.save(parts.trainer, state)
             self.num_checkpoints += 1
             maybe_kill("kill_controller_after_checkpoints", self.num_checkpoints)
+        self._cpu_mark = time.process_time()  # metrics, validation, checkpoints: not rollouts
+
+    def _worker_metrics(self) -> dict[str, float]:
+        """The rollout workers' share of the router and resume counts (they route themselves)."""
+        workers, pool = self.parts.workers, self.parts.generators
+        if workers is None or pool.router is None:
+            return {}
+        return workers.metrics(pool.router.num_routed,
+                               pool.resuming.num_resumed if pool.resuming is not None else None)
 
     def _count_skipped(self, step: int, train_metrics: dict[str, float]) -> bool:
         """Whether the trainer skipped this step's update (non-finite loss or gradient norm);

@@ -6,6 +6,9 @@
     generate_fn ------ the router over the generators (ResumingGenerateFn?(router): partial
                        rollouts); the router keeps the generators' busy clock
     generators ------- GeneratorPool: the vLLM meshes, their router, weight pushes, replacement
+    workers ---------- RolloutWorkerPool (rollouter.num_workers > 0): training groups run in
+                       worker processes beside the generators; None: in this process through
+                       rollouter + generate_fn (validation always is)
     trainer ---------- TrainerClient: train_step, push_weights(generator), checkpoints, HF export
     hosts ------------ RunHosts: the placement's host meshes (closed last)
     validator -------- held-out reward
@@ -24,6 +27,7 @@ from torchtitan_rl.controller.data_cursor import DataCursor
 from torchtitan_rl.controller.generator_pool import GeneratorPool
 from torchtitan_rl.controller.placement import RunHosts
 from torchtitan_rl.controller.validation import Validator
+from torchtitan_rl.controller.worker_pool import RolloutWorkerPool
 from torchtitan_rl.metrics.logger import MetricsLogger
 from torchtitan_rl.rollout.recorder import RolloutRecorder
 from torchtitan_rl.rollout.rollouter import Rollouter
@@ -55,13 +59,17 @@ class RunParts:
     checkpointer: Checkpointer
     metrics: MetricsLogger
     recorder: RolloutRecorder
+    workers: RolloutWorkerPool | None = None
+    """Rollout workers (rollouter.num_workers > 0); None: rollouts run in this process."""
 
     async def close(self) -> None:
-        """Close the meshes (generators first: their outstanding calls fail, never hang, and a
-        replacement in progress stops before the trainer it pushes from) and the metrics files;
-        a failure to close one is logged, not raised."""
+        """Close the meshes (rollout workers first: they borrow the generators; then the
+        generators: their outstanding calls fail, never hang, and a replacement in progress
+        stops before the trainer it pushes from) and the metrics files; a failure to close one
+        is logged, not raised."""
         self.metrics.close()
         closers = [getattr(self.task, "aclose", None)]  # a task's own server (AgentTask's)
+        closers += [self.workers.close if self.workers is not None else None]
         closers += [part.close for part in (self.generators, self.trainer, self.hosts)]
         for close in filter(None, closers):
             try:

@@ -26,6 +26,7 @@ from torchtitan_rl.controller.validation import Validator
 from torchtitan_rl.controller.warm_start import WarmStart
 from torchtitan_rl.generator import Generator
 from torchtitan_rl.metrics.logger import MetricsLogger
+from torchtitan_rl.rollout.agent_task import AgentTask
 from torchtitan_rl.rollout.recorder import RolloutRecorder
 from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.task import TaskConfig
@@ -146,6 +147,12 @@ class ResolvedJob:
             raise ConfigError(
                 "verify_weight_push needs generator.tensor_parallel_degree=1 (TP ranks hold "
                 f"shards), got {degrees}"
+            )
+        if self.rollouter.num_workers and getattr(type(self.task), "_owner", None) is AgentTask:
+            raise ConfigError(
+                f"rollouter.num_workers={self.rollouter.num_workers}: an agent task "
+                "(task.type AgentTask) serves its agents' HTTP endpoint from the controller; "
+                "set rollouter.num_workers = 0"
             )
         self.placement.check(num_generators=len(self.generators),
                              num_trainer_ranks=self.num_trainer_ranks)

@@ -25,6 +25,7 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "metrics.", "recorder.",               # what is logged and recorded
     "trainer.debug_batch_log",             # a debug log of the batches
     "placement.",                          # which hosts run the parts
+    "rollouter.num_workers",               # which processes run the rollouts (same seeds)
     "generator.max_restarts",              # how often a lost generator is replaced
     "trainer.max_restarts",                # how often a lost trainer is restarted
     "verify_weight_push",                  # a read-back check of each push

@@ -14,6 +14,10 @@ which the loop logs the generator idle ratio (idle_ratios.py).
 A generator that raises fails the request with that error; the router never retries silently. A
 lost generator is taken out (``take_out``) until its replacement is put back (``put_back``): its
 sessions are re-pinned, and with no generator left a request waits for one.
+
+Mirrors (``add_mirror``): rollout workers keep routers of their own over the same generators
+(controller/rollout_worker.py); every change to which generators serve (``set_syncing``,
+``take_out``, ``put_back``) is told to each mirror as it happens, so they route alike.
 """
 
 from __future__ import annotations
@@ -24,13 +28,22 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, Protocol
 
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.controller.idle_ratios import BusyClock
 from torchtitan_rl.types import Completion, GenerateFn, GenerateRequest
 
 logger = logging.getLogger(__name__)
+
+
+class RouterMirror(Protocol):
+    """A copy of the router's serving set kept elsewhere (a rollout worker's router); each call
+    returns at once (a message is sent, no reply awaited)."""
+
+    def set_syncing(self, index: int, syncing: bool) -> None: ...
+    def take_out(self, index: int, reason: str) -> None: ...
+    def put_back(self, index: int, generator: GenerateFn) -> None: ...
 
 
 class GeneratorRouter(Configurable):
@@ -66,6 +79,11 @@ class GeneratorRouter(Configurable):
         self._any_in.set()
         self._round_robin = itertools.cycle(range(len(generators)))
         self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._mirrors: list[RouterMirror] = []
+
+    def add_mirror(self, mirror: RouterMirror) -> None:
+        """Tell ``mirror`` every later set_syncing / take_out / put_back."""
+        self._mirrors.append(mirror)
 
     # ---- choosing ------------------------------------------------------------------------------
     def pick(self, session_id: str | None) -> int:
@@ -96,18 +114,26 @@ class GeneratorRouter(Configurable):
     def set_syncing(self, index: int, syncing: bool) -> None:
         """Mark a generator as pulling weights (sticky sessions move off it meanwhile)."""
         (self._syncing.add if syncing else self._syncing.discard)(index)
+        for mirror in self._mirrors:
+            mirror.set_syncing(index, syncing)
 
     def take_out(self, index: int) -> None:
         """Route nothing to generator ``index`` until ``put_back``."""
         self._out.add(index)
         if len(self._out) == len(self.generators):
             self._any_in.clear()
+        if self._mirrors:  # a lost handle says why: the mirrors fail their calls with it
+            reason = getattr(self.generators[index], "lost_reason", None) or "taken out"
+            for mirror in self._mirrors:
+                mirror.take_out(index, reason)
 
     def put_back(self, index: int, generator: GenerateFn) -> None:
         """Serve with ``generator`` (a replacement) at ``index`` again."""
         self.generators[index] = generator
         self._out.discard(index)
         self._any_in.set()
+        for mirror in self._mirrors:
+            mirror.put_back(index, generator)
 
     def forget_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)

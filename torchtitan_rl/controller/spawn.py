@@ -10,6 +10,9 @@
                            hosts.generator_host(i) (TP procs each), each one's weight transport,
                            the router over them, replacement of a lost one on its host
         generate_fn:       the pool's router (ResumingGenerateFn(router) with partial rollouts)
+        rollout workers:   rollouter.num_workers > 0: RolloutWorkerPool.spawn on the generators'
+                           hosts, each with its own router over the generators, mirrored from
+                           the pool's router (worker_pool.py)
         task, tokenizer, cursor, rollouter, validator, metrics, recorder
     -> RunParts (controller/parts.py)
 
@@ -28,6 +31,8 @@ from torchtitan_rl.controller.data_cursor import DataCursor
 from torchtitan_rl.controller.generator_pool import GeneratorPool
 from torchtitan_rl.controller.parts import RunParts
 from torchtitan_rl.controller.resolved_job import ResolvedJob
+from torchtitan_rl.controller.rollout_worker import RolloutWorkerSpec
+from torchtitan_rl.controller.worker_pool import RolloutWorkerPool
 from torchtitan_rl.trainer.batcher import Batcher
 from torchtitan_rl.trainer.trainer import MonarchTrainerClient, PolicyTrainer, TrainerClient
 
@@ -67,6 +72,7 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
     trainer: TrainerClient | None = None
     trainer_procs = None
     pool: GeneratorPool | None = None
+    workers: RolloutWorkerPool | None = None
     hosts = await plan.placement.build().open(len(plan.generators))
     try:
         if spawn_trainer is not None:
@@ -82,7 +88,17 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
                              abort_on_pull=partial_rollouts, policy_version=resume_step or 0,
                              on_fatal=on_fatal)
         generate_fn = await pool.spawn()
+        if plan.rollouter.num_workers:
+            assert pool.router is not None
+            spec = RolloutWorkerSpec(task=plan.task, rollouter=plan.rollouter, router=plan.router,
+                                     model_dir=str(model_dir), partial_rollouts=partial_rollouts)
+            workers = await RolloutWorkerPool.spawn(
+                spec, plan.rollouter.num_workers, generators=pool.handles, hosts=hosts,
+                busy_clock=pool.router.busy_clock)
+            pool.router.add_mirror(workers)
     except BaseException:
+        if workers is not None:
+            await workers.close()
         if pool is not None:
             await pool.close()
         if trainer is not None:
@@ -106,4 +122,5 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
         checkpointer=checkpointer,
         metrics=plan.metrics.build(run_dir=run_dir, purge_step=resume_step),
         recorder=plan.recorder.build(run_dir=run_dir),
+        workers=workers,
     )

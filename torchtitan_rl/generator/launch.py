@@ -54,11 +54,12 @@ def is_supervision_error(error: BaseException) -> bool:
 class GeneratorHandle:
     """A started generator mesh: ``tensor_parallel_degree`` procs, one `Generator` actor each."""
 
-    def __init__(self, *, procs: ProcMesh, actors: Any, config: Generator.Config,
+    def __init__(self, *, procs: ProcMesh | None, actors: Any, config: Generator.Config,
                  name: str = "generator", pids: list[int] | None = None,
                  machine_id: str = "",
                  on_lost: Callable[[GeneratorHandle, str], None] | None = None) -> None:
         self.procs = procs
+        """None: a borrowed handle (a rollout worker's): whoever spawned the mesh stops it."""
         self.actors = actors
         self.rank0 = actors.slice(procs=0)
         self.config = config
@@ -204,8 +205,19 @@ class GeneratorHandle:
                     await asyncio.wait(set(self._waiting.values()), timeout=timeout_s)
         finally:
             self._stop_receiving()
-            if stop_procs:
+            if stop_procs and self.procs is not None:
                 await asyncio.wait_for(self.procs.stop(), timeout_s)
+
+    def detach(self, reason: str) -> None:
+        """Stop using the generator without closing it (a borrowed handle: its mesh serves
+        others): outstanding generate() calls fail with GeneratorLostError(``reason``)."""
+        if self.lost_reason is None:
+            self.lost_reason = reason
+            self.lost_event.set()
+        for future in list(self._waiting.values()):
+            if not future.done():
+                future.set_exception(GeneratorLostError(f"{self.name}: {reason}"))
+        self._stop_receiving()
 
 
 async def _start_every_rank(actors: Any, tp: int) -> list[int]:

@@ -1,6 +1,7 @@
 """Rollouter: one episode spec -> a scored RolloutGroup of concurrent sibling rollouts.
 
-    controller --run_group_rollouts(generate_fn, episode, group_id, ...)--> Rollouter
+    controller (or a rollout worker, rollouter.num_workers > 0: controller/rollout_worker.py)
+        --run_group_rollouts(generate_fn, episode, group_id, ...)--> Rollouter
     Rollouter: group_size x run_single_rollout, concurrently (one TaskGroup):
         make_env(episode) -> TokenEnv.reset()
         -> [generate_fn(GenerateRequest(prompt ids, request/session id, sampling))
@@ -97,10 +98,20 @@ class Rollouter(Configurable):
         training (an infrastructure failure is not a learning signal)."""
         seed: int = 0
         """Base of the per-request seeds when the Sampling passed in has seed None."""
+        num_workers: int = 0
+        """Rollout worker processes that run the training groups (env steps, chat template,
+        tokenizing), placed on the generators' hosts (controller/rollout_worker.py). 0: the
+        controller runs every turn itself. Default 0: on a 2-core machine one worker made the
+        main job's steps ~25 % slower (its process competes with the generator and the trainer
+        for the cores) although it cut the controller's CPU per turn from ~1.5 ms to one call
+        per group (docs/scaling.md, "Rollout workers"); use workers when the generators run on
+        other machines. Agent tasks need 0 (their HTTP endpoint lives in the controller)."""
 
         def __post_init__(self) -> None:
             if self.group_size < 1:
                 raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+            if self.num_workers < 0:
+                raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
             if self.max_turns < 1:
                 raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
             if self.max_rollout_tokens < 2:

@@ -1,0 +1,232 @@
+"""Rollout workers (rollouter.num_workers > 0).
+
+Fast: the assignment of groups to workers, the router's mirrors, what the controller makes of a
+worker's outcome (a lost generator is GeneratorLostError here; a cancelled call cancels the group
+there), the agent-task refusal. Slow (real Monarch procs, vLLM, torchtitan): a job whose rollouts
+run in two workers on a simulated generator host trains exactly the groups and losses of a job
+without workers (S = 0, one seed); a generator killed mid-run with workers on is replaced and its
+groups restart whole; partial rollouts in two workers over two generators keep the staleness
+bound and resume every aborted request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.config.manager import parse_args
+from torchtitan_rl.controller.job import RLJob
+from torchtitan_rl.controller.rollout_worker import GroupOutcome
+from torchtitan_rl.controller.router import GeneratorRouter
+from torchtitan_rl.controller.worker_pool import RolloutWorkerPool, WorkerAssigner
+from torchtitan_rl.generator import GeneratorLostError
+from torchtitan_rl.types import Sampling
+
+from tests.controller.jobs import REPO_ROOT, LogWatch, env_without_faults, read_metrics
+
+
+# ---- fast: assignment ------------------------------------------------------------------------------
+def test_assigner_gives_each_group_to_the_worker_with_fewest_in_flight():
+    assigner = WorkerAssigner(3)
+    assert [assigner.acquire() for _ in range(3)] == [0, 1, 2]  # equally busy: in turn
+    assigner.release(1)
+    assert assigner.acquire() == 1  # the only one with a free slot
+    assigner.release(0)
+    assigner.release(2)
+    # 0 and 2 both idle, 0 given 1 group, 2 given 1: the lower index; then the other
+    assert [assigner.acquire(), assigner.acquire()] == [0, 2]
+    assert assigner.in_flight == [1, 1, 1] and assigner.num_assigned == [2, 2, 2]
+
+
+def test_assigner_refuses_zero_workers():
+    with pytest.raises(ValueError, match="num_workers must be >= 1, got 0"):
+        WorkerAssigner(0)
+
+
+# ---- fast: the router's mirrors ----------------------------------------------------------------------
+class _Mirror:
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def set_syncing(self, index: int, syncing: bool) -> None:
+        self.events.append(("syncing", index, syncing))
+
+    def take_out(self, index: int, reason: str) -> None:
+        self.events.append(("out", index, reason))
+
+    def put_back(self, index: int, generator) -> None:
+        self.events.append(("back", index, generator))
+
+
+class _LostGenerator:
+    lost_reason = "SIGKILL"
+
+    async def __call__(self, request):
+        raise AssertionError("not routed to")
+
+
+def test_the_router_tells_every_mirror_each_change_of_its_serving_set():
+    lost, replacement = _LostGenerator(), _LostGenerator()
+    router = GeneratorRouter.Config().build(generators=[lost, _LostGenerator()])
+    mirrors = [_Mirror(), _Mirror()]
+    for mirror in mirrors:
+        router.add_mirror(mirror)
+    router.set_syncing(1, True)
+    router.set_syncing(1, False)
+    router.take_out(0)
+    router.put_back(0, replacement)
+    for mirror in mirrors:
+        assert mirror.events == [("syncing", 1, True), ("syncing", 1, False),
+                                 ("out", 0, "SIGKILL"), ("back", 0, replacement)]
+
+
+# ---- fast: the controller's side of a worker call ------------------------------------------------
+class _Endpoint:
+    def __init__(self, reply=None) -> None:
+        self.reply = reply
+        self.calls: list[tuple] = []
+        self.broadcasts: list[tuple] = []
+
+    def call_one(self, *args):
+        self.calls.append(args)
+        return self.reply(*args)
+
+    def broadcast(self, *args) -> None:
+        self.broadcasts.append(args)
+
+
+class _Worker:
+    def __init__(self, reply) -> None:
+        self.run_group = _Endpoint(reply)
+        self.cancel_group = _Endpoint()
+
+
+def test_a_lost_outcome_is_generator_lost_and_a_cancelled_call_cancels_the_group_there():
+    release = asyncio.Event()
+
+    async def reply(group_id, prompt_index, group_size, sampling, attempt):
+        if group_id == 7:
+            await release.wait()
+        return GroupOutcome(group_id=group_id, group=None, lost_reason="generator_0 was lost",
+                            num_routed=[3])
+
+    workers = [_Worker(reply), _Worker(reply)]
+    pool = RolloutWorkerPool([(None, w) for w in workers], num_generators=1)
+
+    async def go() -> None:
+        with pytest.raises(GeneratorLostError, match="generator_0 was lost"):
+            await pool.run_group(1, 5, 4, Sampling(), attempt=0)
+        waiting = asyncio.create_task(pool.run_group(7, 2, 4, Sampling(), attempt=1))
+        await asyncio.sleep(0.01)
+        assert pool.assigner.in_flight == [0, 1]  # worker 0 had its turn already
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+    asyncio.run(asyncio.wait_for(go(), 10))
+    assert workers[0].run_group.calls[0][:2] == (1, 5)
+    assert workers[1].cancel_group.broadcasts == [(7,)]  # the worker stops generating for it
+    assert workers[0].cancel_group.broadcasts == []
+    assert pool.assigner.in_flight == [0, 0] and pool.busy_clock.num_open == 0
+    assert pool.metrics([2]) == {"router/generator_0/num_routed": 5.0}  # 2 here + 3 there
+
+
+def test_an_agent_task_with_workers_is_refused_naming_the_key(tiny_model_dir):
+    config = parse_args(RLJob.Config, [
+        "--model.size", "tiny", "--task.type", "torchtitan_rl.rollout.agent_task:AgentTask",
+        "--task.agent", "tests.controller.letter_agent:run",
+        "--task.episodes.type", "tests.controller.letter_task:LetterTask",
+        "--rollouter.num_workers", "2"]).config
+    with pytest.raises(ConfigError, match=r"^rollouter.num_workers=2: an agent task .* set "
+                                          r"rollouter.num_workers = 0$"):
+        RLJob(config).resolve()
+
+
+# ---- slow: whole jobs ---------------------------------------------------------------------------
+def _run_job(out: pathlib.Path, name: str, *args: str) -> pathlib.Path:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.controller.run_tiny_job", str(out), name, "3", *args],
+        cwd=REPO_ROOT, env=env_without_faults(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out / name
+
+
+def _trained(run_dir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in
+            (run_dir / "trained_samples.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_workers_on_a_simulated_host_train_the_groups_and_losses_of_a_job_without(tmp_path):
+    without = _run_job(tmp_path, "in_controller")
+    with_workers = _run_job(tmp_path, "workers", "--placement", "process", "--num-workers", "2")
+    # S = 0 and one seed: which process runs a rollout must change nothing but the wires.
+    assert _trained(with_workers) == _trained(without)
+    expected, got = read_metrics(without), read_metrics(with_workers)
+    for step in range(3):
+        for key in ("loss/value", "trainer/grad_norm", "rollout_reward/mean",
+                    "loss/num_valid_tokens", "router/generator_0/num_routed"):
+            assert got[step][key] == expected[step][key], (step, key)
+        assert got[step]["async/policy_age_max"] == 0
+        assert got[step]["rollout/controller_cpu_ms_per_turn"] > 0
+
+
+@pytest.mark.slow
+def test_a_generator_killed_with_workers_on_is_replaced_and_its_groups_restart(tmp_path):
+    num_steps, num_prompts = 5, 10
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "lost",
+         str(num_steps), "--num-prompts", str(num_prompts), "--num-workers", "1"],
+        cwd=REPO_ROOT, env=env_without_faults(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )
+    log = LogWatch(proc.stderr)
+    try:
+        started = log.wait_for(r"generator generator_0 started \(tp=1, pids (\d+) ")
+        log.wait_for(r"1 rollout workers started")
+        log.wait_for(r"step=1 ")
+        os.kill(int(started.group(1)), signal.SIGKILL)
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stdout = proc.stdout.read()
+    assert proc.returncode == 0, log.text()[-4000:]
+    assert f"steps={num_steps}" in stdout.strip().splitlines()[-1].split()
+    run_dir = tmp_path / "lost"
+    steps = _trained(run_dir)
+    assert [s["step"] for s in steps] == list(range(num_steps))  # every step once
+    assert sorted(g for s in steps for g in s["group_ids"]) == list(range(num_prompts))
+    sample_ids = [i for s in steps for i in s["sample_ids"]]
+    assert len(sample_ids) == len(set(sample_ids))
+    last = read_metrics(run_dir)[num_steps - 1]
+    assert last["generator/restarts"] == 1
+    assert "generator_0 replaced by generator_0_r1" in log.text()
+    # The kill lands while step 2's groups generate in the worker (admitted when step 1's
+    # weights were published): those with a request on the dead generator restarted whole.
+    restarts = last["generator/groups_restarted_after_loss"]
+    assert restarts == log.text().count("restarts from its prompt") >= 1, log.text()[-4000:]
+
+
+@pytest.mark.slow
+def test_partial_rollouts_in_workers_over_two_generators_stay_within_staleness(tmp_path):
+    run_dir = _run_job(tmp_path, "partial", "--staleness", "1", "--partial-rollout", "abort",
+                       "--num-generators", "2", "--num-workers", "2")
+    metrics = {step: m for step, m in read_metrics(run_dir).items() if "loss/value" in m}
+    assert sorted(metrics) == [0, 1, 2]  # (step 3 holds the final validation only)
+    aborted = sum(m.get("generator/num_aborted_at_pull", 0.0) for m in metrics.values())
+    resumed = metrics[2]["generator/num_resumed_requests"]
+    for step, m in metrics.items():
+        assert m["async/policy_age_max"] <= 1, step  # the staleness bound, with workers
+        assert m["rollout/status/error_abort"] == 0, step  # every aborted request resumed
+    assert 0 <= resumed <= aborted and (resumed > 0) == (aborted > 0), (aborted, resumed)
+    assert metrics[2]["router/generator_0/num_routed"] > 0
+    assert metrics[2]["router/generator_1/num_routed"] > 0

@@ -1,0 +1,200 @@
+"""A rollout worker: runs whole rollout groups in its own process, next to the generators, so
+the controller's CPU does per group what it used to do per turn.
+
+    controller -spawn(RolloutWorkerSpec, [GeneratorRef])-> worker: task, tokenizer, Rollouter,
+        one borrowed GeneratorHandle per generator (no procs: the pool owns the meshes), its
+        own GeneratorRouter over them (ResumingGenerateFn around it with partial rollouts)
+    controller -run_group(group_id, prompt_index, group_size, sampling, attempt)-> worker:
+        task.dataset("train")[prompt_index] -> Rollouter.run_group_rollouts (env steps, chat
+        template, tokenizing; each turn GenerateRequest -submit-> generator -> Completion)
+        -> GroupOutcome(packed TrainingSamples, the RolloutGroup) -> controller
+        (a generator lost under it: GroupOutcome.lost_reason; the controller raises
+        GeneratorLostError and restarts the group whole)
+    controller router -set_syncing / take_out / put_back(GeneratorRef)-> every worker's router
+        (RouterMirror, controller/router.py): pushes, losses and replacements route alike here
+    controller -cancel_group(group_id)-> worker (the controller gave the group up)
+    controller -close()-> worker; then its proc is stopped
+
+Invariants: a worker never stops or closes a generator (it only borrows handles); every request
+seed comes from (seed, group, rollout, turn) as in the controller, so a group's tokens do not
+depend on which worker ran it. Validation stays in the controller (controller/validation.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from monarch.actor import Actor, concurrent_endpoint
+
+from torchtitan_rl.console import configure_process_logging
+from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
+from torchtitan_rl.controller.router import GeneratorRouter
+from torchtitan_rl.generator import Generator, GeneratorHandle, GeneratorLostError
+from torchtitan_rl.rollout import rollout_group_to_training_samples
+from torchtitan_rl.rollout.rollouter import Rollouter
+from torchtitan_rl.rollout.types import RolloutGroup
+from torchtitan_rl.task import TaskConfig
+from torchtitan_rl.types import GenerateFn, Sampling, TrainingSample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RolloutWorkerSpec:
+    """What a worker builds its parts from (the resolved job's configs, plain data)."""
+
+    task: TaskConfig
+    rollouter: Rollouter.Config
+    router: GeneratorRouter.Config
+    model_dir: str
+    """The tokenizer's HF directory (the generators' model)."""
+    partial_rollouts: bool
+    """loop.partial_rollout = "abort": requests aborted by a push are resumed."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class GeneratorRef:
+    """A generator's actor mesh, as a worker borrows it (Monarch actor meshes pickle as refs)."""
+
+    name: str
+    actors: Any
+    config: Generator.Config
+
+    @classmethod
+    def of(cls, handle: GeneratorHandle) -> GeneratorRef:
+        return cls(name=handle.name, actors=handle.actors, config=handle.config)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class GroupOutcome:
+    """A finished group as the controller needs it (plain data)."""
+
+    group_id: int
+    group: RolloutGroup | None
+    """None when the group lost its generator."""
+    samples: list[TrainingSample] = dataclasses.field(default_factory=list)
+    """rollout_group_to_training_samples(group), packed here rather than in the controller."""
+    lost_reason: str | None = None
+    """Set when a generator serving the group was lost: the controller restarts it."""
+    num_routed: list[int] = dataclasses.field(default_factory=list)
+    """Requests this worker has routed to each generator so far (cumulative, for the
+    controller's router metrics)."""
+    num_resumed: int = 0
+    """Requests this worker has resumed after a pull aborted them so far (partial rollouts)."""
+
+
+class RolloutWorker(Actor):
+    def __init__(self, spec: RolloutWorkerSpec, generators: list[GeneratorRef]) -> None:
+        configure_process_logging()
+        from transformers import AutoTokenizer
+
+        self.spec = spec
+        self.task = spec.task.build()
+        self.episodes = self.task.dataset("train")
+        tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
+        self.rollouter = spec.rollouter.build(tokenizer=tokenizer, make_env=self.task.make_env)
+        self.handles = [self._borrow(ref) for ref in generators]
+        self.router: GeneratorRouter = spec.router.build(generators=list(self.handles))
+        self.generate_fn: GenerateFn = (ResumingGenerateFn(self.router)
+                                        if spec.partial_rollouts else self.router)
+        self._groups: dict[int, asyncio.Task[RolloutGroup]] = {}
+
+    def _borrow(self, ref: GeneratorRef) -> GeneratorHandle:
+        return GeneratorHandle(procs=None, actors=ref.actors, config=ref.config, name=ref.name,
+                               on_lost=self._on_handle_lost)
+
+    def _on_handle_lost(self, handle: GeneratorHandle, reason: str) -> None:
+        # Seen here first (a call failed with Monarch's supervision error): route around it
+        # now; the controller's pool hears of the loss from Monarch and replaces the generator.
+        if handle in self.handles:
+            self.router.take_out(self.handles.index(handle))
+
+    # ---- endpoints, in call order ---------------------------------------------------------------
+    @concurrent_endpoint
+    async def ready(self) -> int:
+        """Built (a worker whose parts fail to build fails this call); its process id."""
+        return os.getpid()
+
+    @concurrent_endpoint
+    async def run_group(self, group_id: int, prompt_index: int, group_size: int,
+                        sampling: Sampling, attempt: int) -> GroupOutcome:
+        """One group, rolled out, scored and packed; a lost generator is an outcome, not an
+        exception (an exception would arrive as Monarch's ActorError)."""
+        task = asyncio.ensure_future(self.rollouter.run_group_rollouts(
+            self.generate_fn, self.episodes[prompt_index], group_id, group_size, sampling,
+            attempt=attempt))
+        self._groups[group_id] = task
+        try:
+            group = await task
+        except GeneratorLostError as e:
+            return GroupOutcome(group_id=group_id, group=None, lost_reason=str(e),
+                                num_routed=list(self.router.num_routed),
+                                num_resumed=self._num_resumed())
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # this endpoint itself is cancelled (the worker stops)
+            # cancel_group: the controller gave the group up and reads no reply
+            return GroupOutcome(group_id=group_id, group=None,
+                                lost_reason="cancelled by the controller")
+        finally:
+            if self._groups.get(group_id) is task:
+                del self._groups[group_id]
+        return GroupOutcome(group_id=group_id, group=group,
+                            samples=rollout_group_to_training_samples(group),
+                            num_routed=list(self.router.num_routed),
+                            num_resumed=self._num_resumed())
+
+    def _num_resumed(self) -> int:
+        fn = self.generate_fn
+        return fn.num_resumed if isinstance(fn, ResumingGenerateFn) else 0
+
+    @concurrent_endpoint
+    async def cancel_group(self, group_id: int) -> None:
+        """The controller gave ``group_id`` up (the run stops, the trainer is restored): its
+        requests are aborted (the handles abort cancelled requests)."""
+        task = self._groups.pop(group_id, None)
+        if task is not None:
+            task.cancel()
+
+    @concurrent_endpoint
+    async def set_syncing(self, index: int, syncing: bool) -> None:
+        self.router.set_syncing(index, syncing)
+
+    @concurrent_endpoint
+    async def take_out(self, index: int, reason: str) -> None:
+        """Generator ``index`` was lost: its calls here fail with GeneratorLostError now
+        (a call to a dead actor may never return, monarch#3435)."""
+        self.router.take_out(index)
+        self.handles[index].detach(f"was lost: {reason}")
+
+    @concurrent_endpoint
+    async def put_back(self, index: int, ref: GeneratorRef) -> None:
+        """Generator ``index`` serves again (``ref``: its replacement's mesh)."""
+        old = self.handles[index]
+        if old.actors is not ref.actors:
+            old.detach("replaced")
+            self.handles[index] = self._borrow(ref)
+        self.router.put_back(index, self.handles[index])
+
+    @concurrent_endpoint
+    async def close(self) -> None:
+        """Cancel what runs and let go of the generators (never close them: the pool does)."""
+        for task in self._groups.values():
+            task.cancel()
+        await asyncio.gather(*self._groups.values(), return_exceptions=True)
+        for handle in self.handles:
+            handle.detach("the rollout worker closed")
+        aclose = getattr(self.task, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    def _handle_undeliverable_message(self, message: Any) -> bool:
+        # A request to a generator that just died bounces; Monarch's default would fail this
+        # worker for it. The controller's pool replaces the generator and tells us (put_back).
+        logger.warning("undeliverable message (a lost generator?): %s", message.error_msg())
+        return True
