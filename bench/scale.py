@@ -110,7 +110,8 @@ def job_config(args: argparse.Namespace, n: int, run_dir: pathlib.Path):
                                    max_model_len=seq_len, max_restarts=0),
         placement=Placement.Config(kind="process", generators_per_host=1, host_timeout_s=300.0),
         batcher=Batcher.Config(seq_len=seq_len),
-        trainer=PolicyTrainer.Config(optimizer=OptimizerConfig(lr=1e-5), max_restarts=0),
+        trainer=PolicyTrainer.Config(optimizer=OptimizerConfig(lr=1e-5), max_restarts=0,
+                                     relay_chunk_bytes=args.relay_chunk_bytes),
         loop=TrainingLoop.Config(
             num_steps=args.warmup_steps + args.steps,
             groups_per_step=args.groups_per_generator * n,
@@ -271,6 +272,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps after the warm-up")
     parser.add_argument("--num-workers", type=int, default=None,
                         help="rollouter.num_workers (0 = in-process rollouts); unset: the default")
+    parser.add_argument("--relay-chunk-bytes", type=int, default=64 << 10,
+                        help="trainer.relay_chunk_bytes: ~70 chunks of the demo model, the ratio "
+                             "of a 600 MB model in the default 4 MiB chunks is ~150")
     parser.add_argument("--link-mbps", type=float, default=0.0,
                         help=f"sets {LINK_ENV} for the job (0: unset, no pacing)")
     parser.add_argument("--reserve-gib", type=float, default=4.0,

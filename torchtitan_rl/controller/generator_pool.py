@@ -334,15 +334,17 @@ class GeneratorPool:
             await until_lost(new, self.trainer.push_weights(new, version))
             return
         attempt = REPLACEMENT_ATTEMPT  # apart from the loop's attempts of the same version
-        wait = until_lost(new, new.rank0.wait_weights.call_one(version, attempt))
-        waiting = asyncio.ensure_future(wait)
-        try:
-            await self.trainer.relay_weights([new], version, attempt)
-            await asyncio.wait_for(waiting, RELAY_TIMEOUT_S)
-        finally:
-            waiting.cancel()
-        if self.trainer.verify_push:
-            await self.trainer.verify_weights([new], version)
+        # The loop may be training meanwhile: no step between the send and the read-back.
+        async with self.trainer.weights_lock:
+            wait = until_lost(new, new.rank0.wait_weights.call_one(version, attempt))
+            waiting = asyncio.ensure_future(wait)
+            try:
+                await self.trainer.relay_weights([new], version, attempt)
+                await asyncio.wait_for(waiting, RELAY_TIMEOUT_S)
+            finally:
+                waiting.cancel()
+            if self.trainer.verify_push:
+                await self.trainer.verify_weights([new], version)
 
     def _others_routed(self, index: int) -> int:
         assert self.router is not None

@@ -272,6 +272,9 @@ class TrainerClient(abc.ABC):
         self.batcher = batcher.build(dp_size=dp_size)
         self.verify_push = verify_push
         """Read every push back from the generator and compare it bit for bit."""
+        self.weights_lock = asyncio.Lock()
+        """Held while the weights must not change: a training step; a replacement generator's
+        push and its read-back, two calls that a step must not come between."""
 
     async def train_step(self, samples: list[TrainingSample], step: int) -> dict[str, float]:
         """One optimizer step on ``samples``: packed into rows, forward/backward, AdamW."""
@@ -282,8 +285,9 @@ class TrainerClient(abc.ABC):
                            step)
             return {"trainer/skipped_empty_step": 1.0}
         batch = self.batcher.pack(samples)
-        metrics = dict(await self.forward_backward(batch))
-        metrics.update(await self.optim_step())
+        async with self.weights_lock:
+            metrics = dict(await self.forward_backward(batch))
+            metrics.update(await self.optim_step())
         metrics.update({k: float(v) for k, v in batch.metrics.items()})
         return metrics
 
