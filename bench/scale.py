@@ -262,7 +262,7 @@ def main() -> None:
                         help="each stand-in engine's output tokens per second")
     parser.add_argument("--turns", type=int, default=3, help="turns per rollout (RunningSum)")
     parser.add_argument("--max-tokens", type=int, default=8, help="most tokens per reply")
-    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--groups-per-generator", type=int, default=4,
                         help="groups a step per generator (loop.groups_per_step = this x N)")
     parser.add_argument("--max-staleness", type=int, default=0,

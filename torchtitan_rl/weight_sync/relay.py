@@ -315,8 +315,11 @@ class LinkPacer:
         if self.bytes_per_s is None:
             return 0.0
         now = time.monotonic()
-        self._free_at = max(now, self._free_at) + num_bytes / self.bytes_per_s
-        return self._free_at - now
+        seconds = num_bytes / self.bytes_per_s
+        # A link that fell idle by up to one message's time (the sender's own CPU between two
+        # sends) is still busy with that message: the CPU overlaps the wire, as on a real NIC.
+        self._free_at = max(now - seconds, self._free_at) + seconds
+        return max(0.0, self._free_at - now)
 
     async def wait(self, num_bytes: int) -> None:
         delay = self.reserve(num_bytes)
