@@ -133,8 +133,9 @@ class _Mesh:
     def slice(self, **_) -> _Mesh:
         return self
 
-    def broadcast(self, chunk: RelayChunk, chain: list, position: int) -> None:
-        self.log.append((position, chunk.policy_version, chunk.attempt, chunk.num_bytes))
+    def broadcast(self, chunk: RelayChunk, chain: list | None, position: int) -> None:
+        self.log.append((position, chunk.policy_version, chunk.attempt, chunk.num_bytes,
+                         chain is not None))
 
 
 def test_a_node_forwards_each_chunk_once_discards_old_attempts_and_pulls_when_whole():
@@ -156,18 +157,19 @@ def test_a_node_forwards_each_chunk_once_discards_old_attempts_and_pulls_when_wh
         node.receive(chunks[0], chain, 0)
         stale = RelayChunk(3, 0, 32, {}, [Piece("w", torch.zeros(4), (8,), (4,))])
         node.receive(stale, chain, 0)  # an abandoned attempt: neither stored nor forwarded
-        node.receive(chunks[1], chain, 0)
+        node.receive(chunks[1], None, 0)  # a sender's later chunks come without the chain
         result = await asyncio.wait_for(waiting, 10)
-        assert forwarded == [(1, 3, 1, 16), (1, 3, 1, 16)]
+        # The chain rides on the first forwarded chunk only.
+        assert forwarded == [(1, 3, 1, 16, True), (1, 3, 1, 16, False)]
         assert result["sent_bytes"] == 32.0
         assert pulled[0][0] == 3 and torch.equal(pulled[0][1], full)
         # The tail forwards nothing.
         tail = RelayNode(pull, LinkPacer(None))
         tail_wait = asyncio.ensure_future(tail.wait(3, 1))
-        for chunk in chunks:
-            tail.receive(chunk, chain, 1)
+        for i, chunk in enumerate(chunks):
+            tail.receive(chunk, chain if i == 0 else None, 1)
         assert (await asyncio.wait_for(tail_wait, 10))["sent_bytes"] == 0.0
-        assert forwarded == [(1, 3, 1, 16), (1, 3, 1, 16)]
+        assert forwarded == [(1, 3, 1, 16, True), (1, 3, 1, 16, False)]
         # A newer attempt replaces a partial one; waiting on the old attempt fails.
         old = asyncio.ensure_future(node.wait(4, 0))
         node.receive(RelayChunk(4, 0, 32, {}, chunks[0].pieces), chain, 1)

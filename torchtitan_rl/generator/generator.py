@@ -244,7 +244,8 @@ class Generator(Actor, Configurable):
             logger.exception("weights_staged(%d, %d) ignored", policy_version, num_bytes)
 
     @concurrent_endpoint
-    async def receive_chunk(self, chunk: RelayChunk, chain: list[Any], position: int) -> None:
+    async def receive_chunk(self, chunk: RelayChunk, chain: list[Any] | None,
+                            position: int) -> None:
         """Rank 0 of ``chain[position]``: a chunk of a relayed push (weight_sync/relay.py),
         forwarded at once to ``chain[position + 1]`` and stored; when the push is whole, every
         rank pulls it. Sent by broadcast (no reply), so it must not raise."""
@@ -252,7 +253,8 @@ class Generator(Actor, Configurable):
             if (position, chunk.policy_version, chunk.attempt) == (1, 1, 0):
                 self._num_first_relay_chunks += 1
                 maybe_kill("kill_generator_mid_relay", self._num_first_relay_chunks)
-            self._mesh = chain[position]
+            if chain is not None:  # a sender's first chunk of a push
+                self._mesh = chain[position]
             if self._relay is None:
                 self._relay = RelayNode(self._pull_relayed)
             self._relay.receive(chunk, chain, position)

@@ -3,7 +3,8 @@
     every trainer rank: local_pieces(model state dict)   its own DTensor shards (to_local + global
         shape + global offset; a replicated slice from one rank only; plain tensors from rank 0)
         -> plan_chunks(pieces, chunk_bytes) -> send_chunks: one paced, non-blocking message a
-        chunk -> chain[0] rank 0 .receive_chunk(RelayChunk, chain, 0)
+        chunk -> chain[0] rank 0 .receive_chunk(RelayChunk, chain, 0) (the chain rides on a
+        sender's first chunk only, None after: a mesh reference costs as much to send as a chunk)
     generator chain[i] rank 0: RelayNode.receive: forward the chunk at once to chain[i + 1]
         (broadcast, paced), then store its pieces (Assembly); the tail forwards nothing
     once every byte of (policy_version, attempt) is in: Assembly.state_dict() (full tensors,
@@ -163,9 +164,10 @@ async def send_chunks(chunks: list[RelayChunk], chain: list[Any], pacer: LinkPac
     bytes sent. Non-blocking sends: a dead head bounces them to the sender's
     ``_handle_undeliverable_message``; the controller sees the loss."""
     sent = 0
-    for chunk in chunks:
+    head = chain[0].slice(procs=0)
+    for i, chunk in enumerate(chunks):
         await pacer.wait(chunk.num_bytes)
-        chain[0].slice(procs=0).receive_chunk.broadcast(chunk, chain, 0)
+        head.receive_chunk.broadcast(chunk, chain if i == 0 else None, 0)
         sent += chunk.num_bytes
     return sent
 
@@ -226,19 +228,34 @@ class RelayNode:
         self._assembly: Assembly | None = None
         self._sent_bytes = 0
         self._done: dict[tuple[int, int], asyncio.Future[dict[str, float]]] = {}
+        self._chain: list[Any] | None = None
+        """The current push's chain (from its first chunk), and the next node's rank 0."""
+        self._next: Any = None
+        self._chain_forwarded = False
 
-    def receive(self, chunk: RelayChunk, chain: list[Any], position: int) -> None:
-        """A chunk of ``chain[position]`` (this node): forward it, then store it."""
+    def receive(self, chunk: RelayChunk, chain: list[Any] | None, position: int) -> None:
+        """A chunk of ``chain[position]`` (this node): forward it, then store it. ``chain``
+        comes with a sender's first chunk of a push (None on the others)."""
         key = (chunk.policy_version, chunk.attempt)
         if key < self._key:
             return  # an abandoned attempt (or an older version) still draining: discard
         if key > self._key:
             self._begin(key, chunk)
-        if position + 1 < len(chain):
+        if chain is not None and self._chain is None:
+            self._chain = chain
+            if position + 1 < len(chain):
+                self._next = chain[position + 1].slice(procs=0)
+        if self._chain is None:
+            raise RuntimeError(f"relay push {key}: a chunk came before the chain (a sender's "
+                               "first chunk carries it)")
+        if self._next is not None:
             self._sent_bytes += chunk.num_bytes
             # Reserved now, in arrival order: the chunks leave in the order they came.
             delay = self.pacer.reserve(chunk.num_bytes)
-            asyncio.ensure_future(self._forward(chunk, chain, position + 1, delay))
+            forwarded_chain = None if self._chain_forwarded else self._chain
+            self._chain_forwarded = True
+            asyncio.ensure_future(self._forward(self._next, chunk, forwarded_chain, position + 1,
+                                                delay))
         assert self._assembly is not None
         if self._assembly.add(chunk.pieces):
             state_dict = self._assembly.state_dict()
@@ -257,13 +274,15 @@ class RelayNode:
         self._key = key
         self._assembly = Assembly(chunk.model_bytes, chunk.aliases)
         self._sent_bytes = 0
+        self._chain, self._next, self._chain_forwarded = None, None, False
 
-    async def _forward(self, chunk: RelayChunk, chain: list[Any], position: int,
+    @staticmethod
+    async def _forward(target: Any, chunk: RelayChunk, chain: list[Any] | None, position: int,
                        delay: float) -> None:
         if delay > 0:
             await asyncio.sleep(delay)
         try:
-            chain[position].slice(procs=0).receive_chunk.broadcast(chunk, chain, position)
+            target.receive_chunk.broadcast(chunk, chain, position)
         except Exception:  # the next node is gone: the controller re-pushes past it
             logger.warning("relay: forwarding to chain[%d] failed", position, exc_info=True)
 
