@@ -5,10 +5,9 @@ for placements that talk plain TCP.
                                  folder holds ca.crt, client.crt and client.key (ConfigError)
     warn_plain(config)           one console line when hosts are dialled over plain TCP beyond
                                  this machine (attach without tls, slurm, kubernetes)
-    use_client_tls(config)       before any attach (attach, process, Slurm, Kubernetes): this
-                                 process's Monarch presents the client certificate (tls set)
-                                 and gives up on a host that does not answer the attach after
-                                 placement.host_timeout_s
+    use_client_tls(config)       before attach_to_workers: this process's Monarch presents the
+                                 client certificate and gives up on a worker that does not
+                                 accept it after placement.host_timeout_s
     rejected(error, config)      a worker that refused the run (or is not this job's): one line
 
 Monarch 0.6.0 reads TLS material from the environment only (``torchtitan_rl/tls.py``); a client a
@@ -91,10 +90,9 @@ def warn_plain(c: Any) -> None:
 
 
 def use_client_tls(c: Any) -> None:
-    """This process dials with the client certificate of ``placement.tls`` (if set), and a host
-    that does not answer the attach (a worker that rejects the certificate, or many simulated
-    hosts still starting on a small machine) fails it within ``host_timeout_s`` instead of
-    Monarch's default minute."""
+    """This process dials with the client certificate of ``placement.tls``, and a worker that does
+    not accept it fails the attach within ``host_timeout_s`` instead of Monarch's default
+    minute."""
     # 0.9: Monarch's error (it names the host) ends the wait before placement's own deadline.
     os.environ[ATTACH_TIMEOUT_ENV] = f"{max(1, round(c.host_timeout_s * 900))}ms"
     if c.tls:

@@ -200,7 +200,6 @@ class Placement(Configurable):
             return await _attach(c)
         # Simulated hosts are sessions of their own: reaped when this controller ends, however.
         reaper = OrphanReaper() if c.kind == "process" else None
-        attach_tls.use_client_tls(c)  # the job's hosts attach within host_timeout_s too
         job = c.monarch_job(num_generators, env=reaper.env if reaper else None)
         try:
             # apply() submits or starts the workers; a Slurm allocation may queue: bounded too.
