@@ -377,7 +377,10 @@ def test_a_dead_trainer_past_max_restarts_fails_the_run_with_one_line_and_the_ru
     assert dead.returncode == 1, dead.stderr[-3000:]
     errors = [line for line in dead.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: actor mesh failure:"), errors
-    assert "policy_trainer" in errors[0] and "Killed(sig=9)" in errors[0]
+    # Monarch names the death by the signal, or (its report late on a loaded box) by the proc
+    # agent that stopped answering for the trainer's procs.
+    assert "policy_trainer" in errors[0], errors
+    assert "Killed(sig=9)" in errors[0] or "The process likely crashed" in errors[0], errors
     resumed = _run_tiny_job(*args, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads((tmp_path / "trainer" / "summary.json").read_text())
