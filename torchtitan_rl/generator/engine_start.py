@@ -1,4 +1,5 @@
-"""Building one rank's engine and starting its `EngineLoop`: the one code path of the `Generator`
+"""Building one rank's engine and starting its `EngineLoop` (``config``: a ``Generator.Config``,
+not imported here: the actor module imports this one): the one code path of the `Generator`
 actor, tests, benchmarks and torchrun launches.
 
     start_engine_loop(config): engine thread -> engine_builder(config.engine)(config) (vLLM or
@@ -13,21 +14,18 @@ import concurrent.futures
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from torchtitan_rl.generator.engine_loop import EngineLoop, StepStats
 
-if TYPE_CHECKING:
-    from torchtitan_rl.generator.generator import Generator
-
 logger = logging.getLogger(__name__)
 
 
 async def start_engine_loop(
-    config: Generator.Config,
+    config: Any,
     *,
     on_step: Callable[[StepStats], None] | None = None,
     wrap_engine: Callable[[Any], Any] | None = None,
@@ -79,7 +77,7 @@ async def start_engine_loop(
     return engine_loop
 
 
-def _build_engine_in_thread(config: Generator.Config) -> Any:
+def _build_engine_in_thread(config: Any) -> Any:
     from torchtitan_rl.generator.vllm_engine import engine_builder
 
     threads = config.torch_num_threads
