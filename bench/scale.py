@@ -53,7 +53,6 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LINK_ENV = "TORCHTITAN_RL_SIMULATED_LINK_MBPS"
 GIB = 1 << 30
-START_RACE = "config push failed during attach"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -305,11 +304,6 @@ def main() -> None:
         print(f"N={n}: running (needs ~{need:.1f} GiB of {free:.1f} available)", flush=True)
         start = time.monotonic()
         result = run_child(args, n)
-        if isinstance(result, str) and START_RACE in result:
-            # Monarch 0.6's ProcessJob can dial a simulated host before it listens (the attach
-            # then fails whole): a start-up race, not the case's result. Once more.
-            print(f"N={n}: a host missed the attach ({START_RACE}); starting again", flush=True)
-            result = run_child(args, n)
         if isinstance(result, str):
             stopped = f"stopped at N={n}: {result} (see {args.output_dir}/n{n}/console.txt)"
             break

@@ -238,3 +238,30 @@ def test_slurm_settings_reach_monarch_slurm_job():
          "print(*inspect.signature(SlurmJob).parameters)"],
         capture_output=True, text=True, timeout=120, check=True).stdout.split()
     assert set(kwargs) <= set(names)
+
+
+OPEN_SIMULATED_HOSTS = """
+import asyncio
+from torchtitan_rl.controller.placement import Placement
+async def main():
+    hosts = await Placement(Placement.Config(kind="process", host_timeout_s=60)).open(2)
+    await hosts.close()
+    print("hosts up")
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_simulated_hosts_slow_to_listen_are_attached_once_they_listen(tmp_path):
+    # Monarch drops an attach message sent before a worker listens once its delivery timeout
+    # passes, and the attach never completes: on a loaded box a worker's Python start-up can
+    # take that long. Here every worker starts 5 s late and the delivery timeout is 2 s.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, time\n"
+        "if os.environ.get('HYPERACTOR_PROCESS_NAME'):  # the ProcessJob's workers only\n"
+        "    time.sleep(5)\n")
+    env = {**env_without_faults(), "HYPERACTOR_MESSAGE_DELIVERY_TIMEOUT": "2s",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}
+    proc = subprocess.run([sys.executable, "-c", OPEN_SIMULATED_HOSTS], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "hosts up" in proc.stdout, proc.stderr[-3000:]

@@ -4,7 +4,8 @@
     hosts = await placement.build().open(num_generators)        -> RunHosts, every wait bounded
         local:       this_host() for everything (one machine: the default)
         process:     monarch.job.ProcessJob({"trainer": T, "generators": G}): one worker process
-                     per simulated host, over Monarch's real transport (a laptop, the tests)
+                     per simulated host, over Monarch's real transport (a laptop, the tests);
+                     attached once every worker listens on its socket
         attach:      attach_to_workers(workers) for workers already started with
                      ``python -m torchtitan_rl.worker --address tcp://0.0.0.0:PORT``; with
                      ``tls`` set, tls://HOST:PORT with mutual TLS (attach_tls.py)
@@ -27,6 +28,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import os
 import sys
 import urllib.parse
 from typing import Any, Literal
@@ -204,6 +206,8 @@ class Placement(Configurable):
         try:
             # apply() submits or starts the workers; a Slurm allocation may queue: bounded too.
             try:
+                if c.kind == "process":
+                    await _start_simulated_hosts(job, c.host_timeout_s)
                 state = await asyncio.wait_for(
                     asyncio.to_thread(job.state, cached_path=None), c.host_timeout_s)
             except asyncio.TimeoutError:
@@ -294,6 +298,41 @@ async def _attach(c: Placement.Config) -> RunHosts:
             error = None if isinstance(e, asyncio.TimeoutError) else e
             raise HostUnreachableError(attach_tls.rejected(error, c, addresses)) from None
     return hosts
+
+
+async def _start_simulated_hosts(job: Any, timeout_s: float) -> None:
+    """Start a ProcessJob's workers and return once each listens on its socket. Monarch 0.6
+    attaches as soon as the processes exist, and a worker still importing Python when the
+    attach dials fails the whole attach ("config push failed during attach")."""
+    await asyncio.to_thread(job.apply)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    # ProcessJob keeps {host: ProcessState(pid, "ipc://PATH")}; no public accessor in 0.6.
+    for host, worker in job._host_to_pid.items():
+        path = urllib.parse.urlsplit(worker.channel).path
+        while True:
+            try:
+                _, writer = await asyncio.open_unix_connection(path)
+                writer.close()
+                break
+            except OSError:
+                if not _alive(worker.pid):
+                    raise HostUnreachableError(
+                        f"placement.kind=process: the simulated host {host} (pid {worker.pid}) "
+                        f"exited before it listened on {path}") from None
+                if loop.time() > deadline:
+                    raise HostUnreachableError(
+                        f"placement.kind=process: the simulated host {host} did not listen on "
+                        f"{path} after {timeout_s:g} s (placement.host_timeout_s)") from None
+                await asyncio.sleep(0.05)  # polling a socket that is not bound yet
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _check_address(key: str, address: str) -> None:
