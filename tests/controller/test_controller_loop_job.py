@@ -1,6 +1,6 @@
 """The training loop end to end (real Monarch meshes, vLLM generators, torchtitan trainer):
 two staleness-0 (synchronous) runs of one seed are identical bit for bit; a SIGKILLed controller
-resumes without losing or repeating a prompt; partial rollouts over two generators respect the
+resumes without losing or repeating a prompt (its rollouts in the controller or in rollout workers); partial rollouts over two generators respect the
 staleness bound; a generator that dies fails the run with one clear error."""
 
 from __future__ import annotations
@@ -59,13 +59,13 @@ def _run_tiny_job(*args: str, fault: str | None = None) -> subprocess.CompletedP
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("staleness", [0, 2])
-def test_resume_after_sigkill_loses_nothing(tmp_path, staleness):
+@pytest.mark.parametrize("staleness, num_workers", [(0, 0), (2, 0), (2, 2)])
+def test_resume_after_sigkill_loses_nothing(tmp_path, staleness, num_workers):
     num_prompts, groups_per_step = 8, 2  # one epoch = 4 steps of 2 groups (tiny_job)
     num_steps = num_prompts // groups_per_step
     kill_after = random.Random(20261123 + staleness).randint(1, num_steps - 1)
     args = [str(tmp_path), "killed", str(num_steps), "--num-prompts", str(num_prompts),
-            "--staleness", str(staleness)]
+            "--staleness", str(staleness), "--num-workers", str(num_workers)]
 
     killed = _run_tiny_job(*args, fault=f"kill_controller_after_checkpoints:{kill_after}")
     assert killed.returncode == -signal.SIGKILL, (kill_after, killed.stderr[-2000:])
