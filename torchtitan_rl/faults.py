@@ -10,6 +10,8 @@ time: no cleanup, no checkpoint, the same as a node dying. Points:
 - ``kill_generator_mid_relay``: the generator at position 1 of the first relay chain (the push of
   policy version 1, attempt 0), when that push's N-th chunk reaches it, before it forwards it:
   the generators after it never get the rest (weight_sync/relay.py).
+- ``kill_rollout_worker_after_groups``: the first rollout worker (index 0, never its
+  replacement), when it has finished its N-th group, before it replies.
 - ``kill_trainer_after_steps``: every proc of the run's first trainer, when its N-th optimizer
   step is done (a restarted trainer trains that step again and is spared).
 
@@ -32,7 +34,7 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "TORCHTITAN_RL_FAULT"
 FaultPoint = Literal["kill_controller_after_groups", "kill_controller_after_checkpoints",
                      "kill_generator_after_requests", "kill_generator_mid_relay",
-                     "kill_trainer_after_steps"]
+                     "kill_rollout_worker_after_groups", "kill_trainer_after_steps"]
 
 
 def maybe_kill(point: FaultPoint, count: int) -> None:

@@ -5,7 +5,8 @@ worker's outcome (a lost generator is GeneratorLostError here; a cancelled call 
 there), the agent-task refusal. Slow (real Monarch procs, vLLM, torchtitan): a job whose rollouts
 run in two workers on a simulated generator host trains exactly the groups and losses of a job
 without workers (S = 0, one seed); a generator killed mid-run with workers on is replaced and its
-groups restart whole; partial rollouts in two workers over two generators keep the staleness
+groups restart whole; a rollout worker killed mid-run is replaced and its groups restart whole;
+partial rollouts in two workers over two generators keep the staleness
 bound and resume every aborted request.
 """
 
@@ -26,7 +27,11 @@ from torchtitan_rl.config.manager import parse_args
 from torchtitan_rl.controller.job import RLJob
 from torchtitan_rl.controller.rollout_worker import GroupOutcome
 from torchtitan_rl.controller.router import GeneratorRouter
-from torchtitan_rl.controller.worker_pool import RolloutWorkerPool, WorkerAssigner
+from torchtitan_rl.controller.worker_pool import (
+    RolloutWorkerLostError,
+    RolloutWorkerPool,
+    WorkerAssigner,
+)
 from torchtitan_rl.generator import GeneratorLostError
 from torchtitan_rl.types import Sampling
 
@@ -136,7 +141,71 @@ def test_a_lost_outcome_is_generator_lost_and_a_cancelled_call_cancels_the_group
     assert workers[1].cancel_group.broadcasts == [(7,)]  # the worker stops generating for it
     assert workers[0].cancel_group.broadcasts == []
     assert pool.assigner.in_flight == [0, 0] and pool.busy_clock.num_open == 0
-    assert pool.metrics([2]) == {"router/generator_0/num_routed": 5.0}  # 2 here + 3 there
+    assert pool.metrics([2]) == {"router/generator_0/num_routed": 5.0,  # 2 here + 3 there
+                                 "rollout/workers_replaced": 0.0}
+
+
+class _ReplaceableWorker(_Worker):
+    def __init__(self, reply) -> None:
+        super().__init__(reply)
+        self.take_out = _Endpoint()
+        self.set_syncing = _Endpoint()
+
+
+class _Procs:
+    stopped = 0
+
+    async def stop(self) -> None:
+        self.stopped += 1
+
+
+def test_a_lost_worker_fails_its_groups_takes_none_and_its_replacement_learns_the_router():
+    hang = asyncio.Event()  # never set: a call to a SIGKILLed actor may never return
+
+    async def never(*args):
+        await hang.wait()
+
+    async def finish(group_id, *args):
+        return GroupOutcome(group_id=group_id, group=None, num_routed=[1, 0])
+
+    lost_worker, other = _ReplaceableWorker(never), _ReplaceableWorker(finish)
+    replacement = _ReplaceableWorker(finish)
+    respawned: list[tuple[int, str]] = []
+    may_come_back = asyncio.Event()
+
+    async def respawn(index: int, name: str):
+        respawned.append((index, name))
+        await may_come_back.wait()
+        return _Procs(), replacement
+
+    old_procs = _Procs()
+    pool = RolloutWorkerPool([(old_procs, lost_worker), (_Procs(), other)], num_generators=2,
+                             respawn=respawn)
+    pool.take_out(1, "SIGKILL")  # generator 1 is out when the replacement starts
+
+    async def go() -> None:
+        stuck = asyncio.create_task(pool.run_group(3, 0, 4, Sampling()))  # to worker 0
+        await asyncio.sleep(0.01)
+        assert pool.index_of_mesh("rollout_worker_0-a1b2") == 0
+        pool.mark_lost(0, "SIGKILL")
+        pool.mark_lost(0, "SIGKILL (the proc mesh's report)")  # once
+        with pytest.raises(RolloutWorkerLostError, match="rollout worker 0 was lost: SIGKILL"):
+            await stuck
+        assert (await pool.run_group(4, 1, 4, Sampling())).group_id == 4  # worker 1 only
+        may_come_back.set()
+        while pool.assigner.down:
+            await asyncio.sleep(0.01)
+        assert (await pool.run_group(5, 2, 4, Sampling())).group_id == 5  # the replacement
+
+    asyncio.run(asyncio.wait_for(go(), 10))
+    assert respawned == [(0, "rollout_worker_0_r1")]
+    assert [c[0] for c in other.run_group.calls] == [4]
+    assert [c[0] for c in replacement.run_group.calls] == [5]
+    assert replacement.take_out.broadcasts == [(1, "lost before this worker started")]
+    assert old_procs.stopped == 1
+    assert pool.ignores("rollout_worker_0-a1b2") and not pool.ignores("rollout_worker_0_r1-c3")
+    assert pool.index_of_mesh("rollout_worker_0_r1-c3") == 0
+    assert pool.metrics([0, 0])["rollout/workers_replaced"] == 1.0
 
 
 def test_an_agent_task_with_workers_is_refused_naming_the_key(tiny_model_dir):
@@ -191,7 +260,7 @@ def test_a_generator_killed_with_workers_on_is_replaced_and_its_groups_restart(t
     log = LogWatch(proc.stderr)
     try:
         started = log.wait_for(r"generator generator_0 started \(tp=1, pids (\d+) ")
-        log.wait_for(r"1 rollout workers started")
+        log.wait_for(r"rollout worker rollout_worker_0 started")
         log.wait_for(r"step=1 ")
         os.kill(int(started.group(1)), signal.SIGKILL)
         proc.wait(timeout=600)
@@ -214,6 +283,34 @@ def test_a_generator_killed_with_workers_on_is_replaced_and_its_groups_restart(t
     # weights were published): those with a request on the dead generator restarted whole.
     restarts = last["generator/groups_restarted_after_loss"]
     assert restarts == log.text().count("restarts from its prompt") >= 1, log.text()[-4000:]
+
+
+@pytest.mark.slow
+def test_a_rollout_worker_killed_mid_run_is_replaced_and_its_groups_restart(tmp_path):
+    # One worker: after the kill no group can run until its replacement serves them.
+    num_steps, num_prompts = 4, 8
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "lost_worker",
+         str(num_steps), "--num-prompts", str(num_prompts), "--num-workers", "1",
+         "--staleness", "1"],
+        cwd=REPO_ROOT, env=env_without_faults("kill_rollout_worker_after_groups:2"),
+        capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"steps={num_steps}" in proc.stdout.strip().splitlines()[-1].split()
+    run_dir = tmp_path / "lost_worker"
+    steps = _trained(run_dir)
+    assert [s["step"] for s in steps] == list(range(num_steps))  # every step once
+    assert sorted(g for s in steps for g in s["group_ids"]) == list(range(num_prompts))
+    sample_ids = [i for s in steps for i in s["sample_ids"]]
+    assert len(sample_ids) == len(set(sample_ids))
+    log = proc.stderr
+    assert "fault injection: SIGKILL at kill_rollout_worker_after_groups=2" in log
+    assert "rollout worker 0 replaced (rollout_worker_0_r1)" in log, log[-4000:]
+    last = read_metrics(run_dir)[num_steps - 1]
+    assert last["rollout/workers_replaced"] == 1
+    # The group the worker died under (finished there, never replied) restarted whole, and
+    # so did any other it held: all 8 trained exactly once above.
+    assert last["generator/groups_restarted_after_loss"] >= 1
 
 
 @pytest.mark.slow

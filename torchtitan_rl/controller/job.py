@@ -220,7 +220,7 @@ class RLJob(Configurable):
             parts = await build_parts(
                 plan, checkpointer=checkpointer, spawn_trainer=spawn_trainer,
                 on_fatal=watch.fail, resume_step=state.step if resume_dir is not None else None)
-            watch.attach(parts.generators)
+            watch.attach(parts.generators, parts.workers)
             if isinstance(parts.trainer, MonarchTrainerClient) and plan.trainer.max_restarts:
                 watch.watch_trainer(parts.trainer.mesh_name)  # torchrun owns its ranks: not here
             try:

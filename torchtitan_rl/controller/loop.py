@@ -39,6 +39,7 @@ from torchtitan_rl.controller.idle_ratios import IdleRatios
 from torchtitan_rl.controller.parts import RunParts
 from torchtitan_rl.controller.staleness import StalenessGate
 from torchtitan_rl.controller.supervision import RunFailedError
+from torchtitan_rl.controller.worker_pool import RolloutWorkerLostError
 from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.generator import GeneratorLostError
 from torchtitan_rl.rollout import rollout_group_to_training_samples, rollout_metrics
@@ -179,7 +180,7 @@ class TrainingLoop(Configurable):
             try:
                 group, samples = await self._run_group(group_id, attempt)
                 break
-            except GeneratorLostError as e:
+            except (GeneratorLostError, RolloutWorkerLostError) as e:
                 # Whole, from its prompt, with the same group id (same request seeds), exactly
                 # as a resumed run restarts its in-flight groups; unless the run is stopping: the
                 # rollouts' TaskGroup may have consumed our CancelledError while it failed with

@@ -33,6 +33,7 @@ from monarch.actor import Actor, concurrent_endpoint
 from torchtitan_rl.console import configure_process_logging
 from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
 from torchtitan_rl.controller.router import GeneratorRouter
+from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.generator import Generator, GeneratorHandle, GeneratorLostError
 from torchtitan_rl.rollout import rollout_group_to_training_samples
 from torchtitan_rl.rollout.rollouter import Rollouter
@@ -88,8 +89,12 @@ class GroupOutcome:
 
 
 class RolloutWorker(Actor):
-    def __init__(self, spec: RolloutWorkerSpec, generators: list[GeneratorRef]) -> None:
+    def __init__(self, spec: RolloutWorkerSpec, generators: list[GeneratorRef],
+                 first_of_pool: bool = False) -> None:
+        """``first_of_pool``: worker 0 as first spawned (the fault point's target)."""
         configure_process_logging()
+        self.first_of_pool = first_of_pool
+        self.num_finished = 0
         from transformers import AutoTokenizer
 
         self.spec = spec
@@ -144,6 +149,9 @@ class RolloutWorker(Actor):
         finally:
             if self._groups.get(group_id) is task:
                 del self._groups[group_id]
+        self.num_finished += 1
+        if self.first_of_pool:
+            maybe_kill("kill_rollout_worker_after_groups", self.num_finished)
         return GroupOutcome(group_id=group_id, group=group,
                             samples=rollout_group_to_training_samples(group),
                             num_routed=list(self.router.num_routed),

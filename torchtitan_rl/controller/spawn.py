@@ -94,7 +94,7 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
                                      model_dir=str(model_dir), partial_rollouts=partial_rollouts)
             workers = await RolloutWorkerPool.spawn(
                 spec, plan.rollouter.num_workers, generators=pool.handles, hosts=hosts,
-                busy_clock=pool.router.busy_clock)
+                busy_clock=pool.router.busy_clock, on_fatal=on_fatal)
             pool.router.add_mirror(workers)
     except BaseException:
         if workers is not None:

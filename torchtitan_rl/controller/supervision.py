@@ -1,12 +1,14 @@
 """Actor procs that die: a lost generator is replaced, a lost trainer is restarted by the job
 (job.py, from the newest checkpoint), anything else fails the run with one line.
 
-    job: with MeshFailureWatch() as watch: build_parts(on_fatal=watch.fail) -> watch.attach(pool)
+    job: with MeshFailureWatch() as watch: build_parts(on_fatal=watch.fail)
+         -> watch.attach(generator pool, rollout worker pool)
          -> await watch.run_until_failure(the run)
     a proc dies -> Monarch calls unhandled_fault_hook(failure) (on its own thread)
         -> the controller's event loop: _dispatch(mesh name, report)
            a generator's mesh            -> pool.mark_lost(i): replaced, the run goes on
-           a replaced generator's mesh   -> ignored (late events of a mesh already gone; a
+           a rollout worker's mesh       -> workers.mark_lost(i): replaced, its groups restart
+           a replaced one's mesh         -> ignored (late events of a mesh already gone; a
                                             replacement that fails to spawn fails the spawn)
            the trainer's mesh (watched)  -> the run is cancelled -> TrainerLostError: the job
                                             restarts the trainer (trainer.max_restarts)
@@ -48,8 +50,9 @@ _COMPANION_MESHES = ("logger-", "spmdactor-")
 ``_SPMDActor``, which Monarch names ``spmdactor-<id>``)."""
 
 
-class ReplacesGenerators(Protocol):
-    """What the watch needs of the generator pool (controller/generator_pool.py)."""
+class ReplacesLost(Protocol):
+    """What the watch needs of a pool whose members it replaces (controller/generator_pool.py,
+    controller/worker_pool.py)."""
 
     def index_of_mesh(self, mesh_name: str) -> int | None: ...
     def ignores(self, mesh_name: str) -> bool: ...
@@ -62,7 +65,7 @@ class MeshFailureWatch:
     def __init__(self, *, cancel_grace_s: float = 30.0) -> None:
         self.failures: list[str] = []
         """Fatal failures, first first."""
-        self.generators: ReplacesGenerators | None = None
+        self.pools: list[ReplacesLost] = []
         self.cancel_grace_s = cancel_grace_s
         """How long a cancelled run may take to unwind before RunFailedError is raised anyway."""
         self.trainer_mesh: str | None = None
@@ -92,9 +95,10 @@ class MeshFailureWatch:
 
         monarch.actor.unhandled_fault_hook = self._previous_hook
 
-    def attach(self, generators: ReplacesGenerators) -> None:
-        """From now on a generator's failure replaces it instead of failing the run."""
-        self.generators = generators
+    def attach(self, *pools: ReplacesLost | None) -> None:
+        """From now on a failure of a member of ``pools`` replaces it instead of failing the
+        run (None: no such pool in this run)."""
+        self.pools = [pool for pool in pools if pool is not None]
 
     def watch_trainer(self, mesh_name: str | None) -> None:
         """From now on the loss of trainer mesh ``mesh_name`` (its spawn name) raises
@@ -119,10 +123,9 @@ class MeshFailureWatch:
                                             context=self._context)
 
     def _dispatch(self, mesh_name: str, report: str) -> None:
-        pool = self.generators
         spawn_name = mesh_name.rsplit("-", 1)[0]  # Monarch names a mesh <spawn name>-<id>
-        if mesh_name.startswith(_COMPANION_MESHES) or (pool is not None
-                                                        and pool.ignores(mesh_name)) \
+        if mesh_name.startswith(_COMPANION_MESHES) or any(
+                pool.ignores(mesh_name) for pool in self.pools) \
                 or spawn_name in self._retired_trainer_meshes:
             logger.info("actor mesh failure (no action): %s", report)
             return
@@ -132,11 +135,11 @@ class MeshFailureWatch:
                 self.trainer_lost = report
             self._failed.set()
             return
-        index = pool.index_of_mesh(mesh_name) if pool is not None else None
-        if index is not None:
-            assert pool is not None
-            pool.mark_lost(index, report)
-            return
+        for pool in self.pools:
+            index = pool.index_of_mesh(mesh_name)
+            if index is not None:
+                pool.mark_lost(index, report)
+                return
         self.fail(report)
 
     async def run_until_failure(self, work: Awaitable[T]) -> T:

@@ -8,6 +8,10 @@ generators, hand each admitted group to the least loaded one, mirror the router 
     run_group:  WorkerAssigner.acquire() -> worker.run_group(...) -> GroupOutcome
                 (lost_reason set -> GeneratorLostError here, as the in-process path raises it;
                 the caller cancelled -> worker.cancel_group(group_id))
+    a worker's proc dies -> MeshFailureWatch -> mark_lost(i): its groups raise
+                RolloutWorkerLostError (the loop restarts them whole on the others), no group
+                goes to it, a replacement spawns on its host, learns the router's state
+                (generators out or syncing) and takes groups again
     close:      every worker closes (it never closes a generator), then its proc stops;
                 before the generators (RunParts.close)
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from torchtitan_rl.controller.idle_ratios import BusyClock
@@ -36,12 +41,15 @@ from torchtitan_rl.types import GenerateFn, Sampling
 logger = logging.getLogger(__name__)
 
 SPAWN_TIMEOUT_S = 600.0
+LOSS_REPORT_WAIT_S = 30.0
+"""How long a failed call waits for Monarch to report its worker's loss."""
 STOP_TIMEOUT_S = 60.0
 
 
 class WorkerAssigner:
-    """Picks the worker for the next group: the fewest groups in flight, ties to the one given
-    the fewest groups so far, then the lowest index (round-robin while all are equally busy).
+    """Picks the worker for the next group among those not ``down`` (lost, being replaced):
+    the fewest groups in flight, ties to the one given the fewest groups so far, then the
+    lowest index (round-robin while all are equally busy).
 
     Invariant: 0 <= in_flight[i] <= num_assigned[i], checked on every event.
     """
@@ -51,9 +59,10 @@ class WorkerAssigner:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.in_flight = [0] * num_workers
         self.num_assigned = [0] * num_workers
+        self.down: set[int] = set()
 
     def acquire(self) -> int:
-        index = min(range(len(self.in_flight)),
+        index = min((i for i in range(len(self.in_flight)) if i not in self.down),
                     key=lambda i: (self.in_flight[i], self.num_assigned[i], i))
         self.in_flight[index] += 1
         self.num_assigned[index] += 1
@@ -64,10 +73,18 @@ class WorkerAssigner:
         assert 0 <= self.in_flight[index] <= self.num_assigned[index], (index, self.in_flight)
 
 
+class RolloutWorkerLostError(RuntimeError):
+    """A rollout worker's process died under a group: the group restarts whole on another."""
+
+
 class RolloutWorkerPool:
     def __init__(self, workers: list[tuple[Any, Any]], *, num_generators: int,
-                 busy_clock: BusyClock | None = None) -> None:
-        """``workers``: (proc mesh, RolloutWorker actor mesh) each."""
+                 busy_clock: BusyClock | None = None,
+                 respawn: Callable[[int, str], Awaitable[tuple[Any, Any]]] | None = None,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
+        """``workers``: (proc mesh, RolloutWorker actor mesh) each, spawned as
+        ``rollout_worker_<i>``; ``respawn(i, name)``: a replacement for worker ``i`` (None: a
+        lost worker fails the run through ``on_fatal``)."""
         self.workers = workers
         self.assigner = WorkerAssigner(len(workers))
         self.busy_clock = busy_clock or BusyClock()
@@ -75,61 +92,181 @@ class RolloutWorkerPool:
         """Each worker's cumulative requests per generator, as its latest outcome said."""
         self._num_resumed = [0] * len(workers)
         """Each worker's cumulative resumed requests (partial rollouts), likewise."""
+        self._respawn = respawn
+        self._on_fatal = on_fatal
+        self.names = [f"rollout_worker_{i}" for i in range(len(workers))]
+        """Each worker's current spawn name (Monarch names its mesh ``<name>-<id>``)."""
+        self.retired_names: set[str] = set()
+        self.num_replaced = 0
+        self._lost: list[asyncio.Future[str] | None] = [None] * len(workers)
+        """Resolved with the reason when worker i (this incarnation) is lost."""
+        self._changed: asyncio.Condition | None = None
+        self._replacements: set[asyncio.Task[None]] = set()
+        # The router's state a replacement must start from (RouterMirror below).
+        self._generators: list[GeneratorRef] = []
+        self._out: set[int] = set()
+        self._syncing: set[int] = set()
 
     @classmethod
     async def spawn(cls, spec: RolloutWorkerSpec, num_workers: int, *,
                     generators: list[GeneratorHandle], hosts: RunHosts,
-                    busy_clock: BusyClock | None = None) -> RolloutWorkerPool:
+                    busy_clock: BusyClock | None = None,
+                    on_fatal: Callable[[str], None] | None = None) -> RolloutWorkerPool:
         refs = [GeneratorRef.of(handle) for handle in generators]
-        workers: list[tuple[Any, Any]] = []
-        try:
-            for i in range(num_workers):
-                name = f"rollout_worker_{i}"
-                procs = hosts.generator_host(i % len(generators)).spawn_procs(
-                    per_host={"procs": 1}, name=name)
-                workers.append((procs, procs.spawn(name, RolloutWorker, spec, refs)))
-            pids = await asyncio.wait_for(asyncio.gather(
-                *(actor.ready.call_one() for _, actor in workers)), SPAWN_TIMEOUT_S)
-        except BaseException:
+        pool: RolloutWorkerPool | None = None
+
+        async def respawn(index: int, name: str) -> tuple[Any, Any]:
+            procs = hosts.generator_host(index % len(refs)).spawn_procs(
+                per_host={"procs": 1}, name=name)
+            current = pool._generators if pool is not None else refs
+            actor = procs.spawn(name, RolloutWorker, spec, current, pool is None and index == 0)
+            try:
+                pid = await asyncio.wait_for(actor.ready.call_one(), SPAWN_TIMEOUT_S)
+            except BaseException:
+                await asyncio.gather(procs.stop(), return_exceptions=True)
+                raise
+            logger.info("rollout worker %s started (pid %d)", name, pid)
+            return procs, actor
+
+        results = await asyncio.gather(
+            *(respawn(i, f"rollout_worker_{i}") for i in range(num_workers)),
+            return_exceptions=True)
+        workers = [r for r in results if not isinstance(r, BaseException)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
             await asyncio.gather(*(procs.stop() for procs, _ in workers), return_exceptions=True)
-            raise
-        logger.info("%d rollout workers started (pids %s)", num_workers, ",".join(map(str, pids)))
-        return cls(workers, num_generators=len(generators), busy_clock=busy_clock)
+            raise errors[0]
+        pool = cls(workers, num_generators=len(refs), busy_clock=busy_clock, respawn=respawn,
+                   on_fatal=on_fatal)
+        pool._generators = refs
+        return pool
 
     async def run_group(self, group_id: int, prompt_index: int, group_size: int,
                         sampling: Sampling, *, attempt: int = 0) -> GroupOutcome:
         """Group ``group_id`` rolled out by a worker. Raises GeneratorLostError when a
-        generator serving it was lost (restart it whole, as in the controller)."""
-        index = self.assigner.acquire()
-        actor = self.workers[index][1]
+        generator serving it was lost, RolloutWorkerLostError when the worker was (restart it
+        whole, as in the controller)."""
+        index = await self._acquire()
+        actor, lost = self.workers[index][1], self._lost_future(index)
         self.busy_clock.enter()
+        call = asyncio.ensure_future(actor.run_group.call_one(
+            group_id, prompt_index, group_size, sampling, attempt))
         try:
-            outcome: GroupOutcome = await actor.run_group.call_one(
-                group_id, prompt_index, group_size, sampling, attempt)
+            # A call to a SIGKILLed actor may never return (monarch#3435): the loss ends it.
+            await asyncio.wait({call, lost}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            actor.cancel_group.broadcast(group_id)  # else it generates for nobody
+            call.cancel()
+            if not lost.done():
+                actor.cancel_group.broadcast(group_id)  # else it generates for nobody
             raise
         finally:
             self.busy_clock.exit()
             self.assigner.release(index)
+        if not call.done():
+            call.cancel()
+            raise RolloutWorkerLostError(f"rollout worker {index} was lost: {lost.result()}")
+        try:
+            outcome: GroupOutcome = call.result()
+        except Exception as e:
+            # The call can fail before Monarch's supervision names the dead mesh: wait for it.
+            await asyncio.wait({lost}, timeout=LOSS_REPORT_WAIT_S)
+            if lost.done():
+                raise RolloutWorkerLostError(
+                    f"rollout worker {index} was lost: {lost.result()}") from e
+            raise
         self._num_routed[index] = outcome.num_routed
         self._num_resumed[index] = outcome.num_resumed
         if outcome.lost_reason is not None:
             raise GeneratorLostError(outcome.lost_reason)
         return outcome
 
+    async def _acquire(self) -> int:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        async with self._changed:
+            await self._changed.wait_for(
+                lambda: len(self.assigner.down) < len(self.workers))
+        return self.assigner.acquire()
+
+    def _lost_future(self, index: int) -> asyncio.Future[str]:
+        lost = self._lost[index]
+        if lost is None:
+            lost = self._lost[index] = asyncio.get_running_loop().create_future()
+        return lost
+
+    # ---- losses (controller/supervision.py's MeshFailureWatch calls these) ---------------------
+    def index_of_mesh(self, mesh_name: str) -> int | None:
+        spawn_name = mesh_name.rsplit("-", 1)[0]
+        return self.names.index(spawn_name) if spawn_name in self.names else None
+
+    def ignores(self, mesh_name: str) -> bool:
+        """A worker replaced already: its late events change nothing."""
+        return mesh_name.rsplit("-", 1)[0] in self.retired_names
+
+    def mark_lost(self, index: int, reason: str) -> None:
+        """Worker ``index`` died: its groups fail here (they restart whole on the others), no
+        group goes to it, a replacement is spawned on its host (once)."""
+        if index in self.assigner.down:
+            return
+        logger.warning("rollout worker %d lost: %s", index, reason)
+        self.assigner.down.add(index)
+        self.retired_names.add(self.names[index])
+        lost = self._lost_future(index)
+        if not lost.done():
+            lost.set_result(reason)
+        if self._respawn is None:
+            if self._on_fatal is not None:
+                self._on_fatal(f"rollout worker {index} was lost: {reason}")
+            return
+        task = asyncio.ensure_future(self._replace(index))
+        self._replacements.add(task)
+        task.add_done_callback(self._replacements.discard)
+
+    async def _replace(self, index: int) -> None:
+        assert self._respawn is not None
+        old_procs = self.workers[index][0]
+        self.num_replaced += 1
+        name = f"rollout_worker_{index}_r{self.num_replaced}"
+        try:
+            procs, actor = await self._respawn(index, name)
+        except Exception as e:
+            if self._on_fatal is not None:
+                self._on_fatal(f"rollout worker {index} could not be replaced: {e}")
+            return
+        finally:
+            await asyncio.gather(asyncio.wait_for(old_procs.stop(), STOP_TIMEOUT_S),
+                                 return_exceptions=True)
+        # Its router starts from every generator serving: tell it what the others know.
+        for g in self._out:
+            actor.take_out.broadcast(g, "lost before this worker started")
+        for g in self._syncing:
+            actor.set_syncing.broadcast(g, True)
+        self.workers[index] = (procs, actor)
+        self.names[index] = name
+        self._lost[index] = None
+        self.assigner.down.discard(index)
+        logger.info("rollout worker %d replaced (%s)", index, name)
+        assert self._changed is not None
+        async with self._changed:
+            self._changed.notify_all()
+
     # ---- RouterMirror (controller/router.py): the workers' routers follow the controller's ----
     def set_syncing(self, index: int, syncing: bool) -> None:
+        (self._syncing.add if syncing else self._syncing.discard)(index)
         for _, actor in self.workers:
             actor.set_syncing.broadcast(index, syncing)
 
     def take_out(self, index: int, reason: str) -> None:
+        self._out.add(index)
         for _, actor in self.workers:
             actor.take_out.broadcast(index, reason)
 
     def put_back(self, index: int, generator: GenerateFn) -> None:
         assert isinstance(generator, GeneratorHandle), generator
         ref = GeneratorRef.of(generator)
+        self._out.discard(index)
+        if index < len(self._generators):
+            self._generators[index] = ref
         for _, actor in self.workers:
             actor.put_back.broadcast(index, ref)
 
@@ -143,9 +280,14 @@ class RolloutWorkerPool:
         if controller_resumed is not None:
             metrics["generator/num_resumed_requests"] = float(
                 controller_resumed + sum(self._num_resumed))
+        metrics["rollout/workers_replaced"] = float(self.num_replaced)
         return metrics
 
     async def close(self) -> None:
+        for task in list(self._replacements):
+            task.cancel()
+        await asyncio.gather(*self._replacements, return_exceptions=True)
+
         async def close_one(procs: Any, actor: Any) -> None:
             try:
                 await asyncio.wait_for(actor.close.call_one(), STOP_TIMEOUT_S)
