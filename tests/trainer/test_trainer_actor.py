@@ -27,9 +27,10 @@ REPO_ROOT = HERE.parents[1]
 PROMPTS = [[5, 17, 99, 250, 31], [400, 12, 7]]
 
 
-async def train_step(trainer, batch) -> dict[str, float]:
-    """One optimizer step on the whole trainer mesh: forward_backward, then optim_step."""
-    metrics = dict(rank0_value(await trainer.forward_backward.call(batch)))
+async def train_step(trainer, samples, batcher) -> dict[str, float]:
+    """One optimizer step on the whole trainer mesh: forward_backward (every rank packs the
+    samples), then optim_step."""
+    metrics = dict(rank0_value(await trainer.forward_backward.call(samples, batcher)))
     metrics.update(rank0_value(await trainer.optim_step.call()))
     return metrics
 
@@ -129,11 +130,11 @@ async def _scenario(model_dir: pathlib.Path, export_dir: pathlib.Path) -> dict:
         trainer = await spawn_policy_trainer(trainer_procs, config, model_dir=model_dir)
         generators = generator_procs.spawn("engine", EngineActor, str(model_dir))
         dp_size = rank0_value(await trainer.get_dp_size.call())
-        batch = Batcher.Config(seq_len=32).build(dp_size=dp_size).pack(_samples())
+        batcher, samples = Batcher.Config(seq_len=32), _samples()
         before = rank0_value(await generators.greedy.call())
-        step = await train_step(trainer, batch)
+        step = await train_step(trainer, samples, batcher)
         sync = await push_weights(trainer, generators, version=1, verify=True)
-        await train_step(trainer, batch)
+        await train_step(trainer, samples, batcher)
         sync_shm = await push_weights(
             trainer, generators, version=2, verify=True, transport="shared_memory"
         )

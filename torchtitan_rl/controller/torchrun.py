@@ -53,12 +53,13 @@ from torchtitan_rl.controller.job import RLJob
 from torchtitan_rl.controller.lifetime import run_stoppable
 from torchtitan_rl.controller.spawn import SpawnTrainer
 from torchtitan_rl.generator import GeneratorHandle
-from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
+from torchtitan_rl.trainer.batcher import Batcher
 from torchtitan_rl.trainer.core import PolicyTrainerCore, _device_type
 from torchtitan_rl.trainer.parallel import init_trainer_distributed
 from torchtitan_rl.trainer.trainer import TrainerClient, sender_totals
 from torchtitan_rl.weight_sync.push import WeightPusher
 from torchtitan_rl.weight_sync.relay import LinkPacer, relay_chunks, send_chunks
+from torchtitan_rl.types import TrainingSample
 from torchtitan_rl.weight_sync.shared_memory import machine_id
 
 logger = logging.getLogger(__name__)
@@ -196,8 +197,8 @@ class TorchrunTrainerClient(TrainerClient):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self.trainer.send, Command(method, args))
 
-    async def forward_backward(self, batch: TrainingBatch) -> dict[str, float]:
-        return await self._send(PolicyTrainerCore.forward_backward, batch)
+    async def forward_backward(self, samples: list[TrainingSample]) -> dict[str, float]:
+        return await self._send(PolicyTrainerCore.forward_backward_samples, samples, self.batcher)
 
     async def optim_step(self) -> dict[str, float]:
         return await self._send(PolicyTrainerCore.optim_step)

@@ -2,8 +2,8 @@
 
     core = PolicyTrainerCore.Config(...).build(model_dir=hf_dir)   # every rank, same config
     for each step:
-        batch = Batcher(..., dp_size=core.dp_size).pack(samples)  # same batch on every rank
-        core.forward_backward(batch)   # every microbatch of this rank's column; grads accumulate
+        core.forward_backward_samples(samples, batcher)  # every rank packs the same grid, runs
+                                       # its column (forward_backward(batch)); grads accumulate
         core.optim_step()              # clip, AdamW, policy_version += 1
     core.full_model_state_dict()       # collective: plain full tensors (weight push)
     core.save_checkpoint(dir, extra) / core.load_checkpoint(dir) / core.export_hf(dir)
@@ -43,7 +43,7 @@ from torchtitan_rl.models.qwen3 import (
 )
 from torchtitan_rl.trainer import checkpoint as ckpt
 from torchtitan_rl.trainer.batch_log import BatchLog
-from torchtitan_rl.trainer.batcher import TrainingBatch
+from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
 from torchtitan_rl.trainer.flops import UtilizationMeter
 from torchtitan_rl.trainer.loss import MAX_KEYS, SUM_KEYS, GRPOLoss, finalize_loss_metrics
 from torchtitan_rl.trainer.parallel import (
@@ -52,6 +52,7 @@ from torchtitan_rl.trainer.parallel import (
     parallelize_model,
     prepare_config_for_parallelism,
 )
+from torchtitan_rl.types import TrainingSample
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +194,13 @@ class PolicyTrainerCore(Configurable):
                           if config.debug_batch_log else None)
 
     # ---- training -------------------------------------------------------------------------
+
+    def forward_backward_samples(self, samples: list[TrainingSample],
+                                 batcher: Batcher.Config) -> dict[str, float]:
+        """Pack ``samples`` into the batch every rank packs alike (first-fit decreasing is
+        deterministic) and run this rank's column of it: the controller sends samples, not a
+        padded grid, and does no per-token work."""
+        return self.forward_backward(batcher.build(dp_size=self.dp_size).pack(samples))
 
     def forward_backward(self, batch: TrainingBatch) -> dict[str, float]:
         """Run this rank's microbatches of ``batch``, accumulate gradients; return step metrics

@@ -1,8 +1,9 @@
 """The trainer mesh: `PolicyTrainer`, its Monarch actor (one per rank, around PolicyTrainerCore),
 and `TrainerClient`, the controller's one view of the trainer however its ranks were launched.
 
-    loop -train_step(samples, step)-> TrainerClient: batcher.pack(samples) -> TrainingBatch
-      -forward_backward(batch)-> every rank: FSDP/TP fwd+bwd (gloo/NCCL) -metrics-> controller
+    loop -train_step(samples, step)-> TrainerClient -forward_backward(samples, batcher config)->
+      every rank: batcher.pack(samples) -> TrainingBatch (the same on every rank), FSDP/TP
+      fwd+bwd of its column (gloo/NCCL) -metrics-> controller
       -optim_step()-> every rank: clip, AdamW, policy_version += 1 -metrics-> controller
     generator pool -push_weights(generator, version)-> TrainerClient (shared memory: a
         generator on this machine) -> every rank: all-gather full tensors; rank 0:
@@ -27,7 +28,8 @@ gives up on it (the generator is replaced) and the trainer serves the next calls
 
 Invariants: every endpoint is called on the whole mesh (``.call``), since each runs collectives;
 every rank returns the same metrics (reduced over data-parallel ranks). The controller sends the
-same TrainingBatch to every rank; a rank runs its own [microbatch][dp_rank] column.
+same samples to every rank; each packs the same TrainingBatch and runs its own
+[microbatch][dp_rank] column.
 """
 
 from __future__ import annotations
@@ -129,8 +131,9 @@ class PolicyTrainer(Actor, Configurable):
         return self.core.policy_version
 
     @concurrent_endpoint
-    async def forward_backward(self, batch: TrainingBatch) -> dict[str, float]:
-        return self.core.forward_backward(batch)
+    async def forward_backward(self, samples: list[TrainingSample],
+                               batcher: Batcher.Config) -> dict[str, float]:
+        return self.core.forward_backward_samples(samples, batcher)
 
     @concurrent_endpoint
     async def optim_step(self) -> dict[str, float]:
@@ -269,7 +272,8 @@ class TrainerClient(abc.ABC):
         """Data-parallel size (the batcher's ``dp_size``)."""
         self.machine_id = machine_id
         """Rank 0's machine (hostname/boot id): generators there can take pushes by shared memory."""
-        self.batcher = batcher.build(dp_size=dp_size)
+        self.batcher = batcher
+        """How the trainer ranks pack each step's samples."""
         self.verify_push = verify_push
         """Read every push back from the generator and compare it bit for bit."""
         self.weights_lock = asyncio.Lock()
@@ -284,16 +288,15 @@ class TrainerClient(abc.ABC):
             logger.warning("step %d: no training samples (all groups dropped); weights unchanged",
                            step)
             return {"trainer/skipped_empty_step": 1.0}
-        batch = self.batcher.pack(samples)
         async with self.weights_lock:
-            metrics = dict(await self.forward_backward(batch))
+            metrics = dict(await self.forward_backward(samples))
             metrics.update(await self.optim_step())
-        metrics.update({k: float(v) for k, v in batch.metrics.items()})
         return metrics
 
     @abc.abstractmethod
-    async def forward_backward(self, batch: TrainingBatch) -> dict[str, float]:
-        """Every rank runs its column of ``batch``; gradients accumulate."""
+    async def forward_backward(self, samples: list[TrainingSample]) -> dict[str, float]:
+        """Every rank packs ``samples`` (``self.batcher``) and runs its column of the batch;
+        gradients accumulate; the metrics include the batch's ``batcher/*``."""
 
     @abc.abstractmethod
     async def optim_step(self) -> dict[str, float]:
@@ -360,8 +363,8 @@ class MonarchTrainerClient(TrainerClient):
         return cls(procs=procs, actors=actors, mesh_name=name, dp_size=dp_size,
                    machine_id=machine, batcher=batcher, verify_push=verify_push)
 
-    async def forward_backward(self, batch: TrainingBatch) -> dict[str, float]:
-        return rank0_value(await self.actors.forward_backward.call(batch))
+    async def forward_backward(self, samples: list[TrainingSample]) -> dict[str, float]:
+        return rank0_value(await self.actors.forward_backward.call(samples, self.batcher))
 
     async def optim_step(self) -> dict[str, float]:
         return rank0_value(await self.actors.optim_step.call())
