@@ -120,3 +120,37 @@ class LogWatch:
     def text(self) -> str:
         with self._changed:
             return "".join(self._lines)
+
+    def wait_closed(self, timeout_s: float = 60.0) -> None:
+        """Until the stream ended (every line read)."""
+        with self._changed:
+            assert self._changed.wait_for(lambda: self._closed, timeout_s), "stream still open"
+
+
+def run_killing_generator_0(out: pathlib.Path, name: str, num_steps: int,
+                            *args: str) -> tuple[int, str, str]:
+    """``tests.controller.run_tiny_job`` in a process of its own; generator_0 (its pid from
+    the controller's log) is SIGKILLed from outside once step 1 has trained. Returns the
+    exit code, stdout and stderr."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.controller.run_tiny_job", str(out), name, str(num_steps),
+         *args],
+        cwd=REPO_ROOT, env=env_without_faults(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    log = LogWatch(proc.stderr)
+    try:
+        started = log.wait_for(r"generator generator_0 started \(tp=1, pids (\d+) ")
+        log.wait_for(r"step=1 ")
+        os.kill(int(started.group(1)), signal.SIGKILL)
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stdout = proc.stdout.read()
+    proc.wait()
+    log.wait_closed()
+    return proc.returncode, stdout, log.text()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
 import random
 import signal
@@ -25,10 +24,10 @@ from torchtitan_rl.train import main
 
 from tests.controller.jobs import (
     REPO_ROOT,
-    LogWatch,
     env_without_faults,
     read_hf_weights,
     read_metrics,
+    run_killing_generator_0,
     tiny_job,
 )
 
@@ -242,27 +241,11 @@ def test_generator_death_past_max_restarts_fails_the_run_with_a_clear_error(tmp_
 def test_generator_killed_mid_step_is_replaced_and_nothing_is_lost(tmp_path, staleness,
                                                                    num_generators):
     num_steps, num_prompts = 6, 12
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "lost",
-         str(num_steps), "--num-prompts", str(num_prompts), "--staleness", str(staleness),
-         "--num-generators", str(num_generators)],
-        cwd=REPO_ROOT, env=env_without_faults(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
-    )
-    log = LogWatch(proc.stderr)
-    try:
-        # generator_0's pid, from the controller's log; kill it from outside once step 1 trained
-        started = log.wait_for(r"generator generator_0 started \(tp=1, pids (\d+) ")
-        log.wait_for(r"step=1 ")
-        os.kill(int(started.group(1)), signal.SIGKILL)
-        proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    stdout = proc.stdout.read()
-    assert proc.returncode == 0, log.text()[-4000:]
+    returncode, stdout, log = run_killing_generator_0(
+        tmp_path, "lost", num_steps, "--num-prompts", str(num_prompts), "--staleness",
+        str(staleness), "--num-generators", str(num_generators))
+    assert returncode == 0, log[-4000:]
     assert "steps=6" in stdout.strip().splitlines()[-1].split()
-
     run_dir = tmp_path / "lost"
     steps = [json.loads(line) for line in
              (run_dir / "trained_samples.jsonl").read_text().splitlines()]
@@ -276,7 +259,7 @@ def test_generator_killed_mid_step_is_replaced_and_nothing_is_lost(tmp_path, sta
     # groups that had a request on generator_0 restarted whole (how many depends on where in the
     # step the kill landed); the checks above prove none was lost or trained twice
     restarts = last["generator/groups_restarted_after_loss"]
-    assert restarts == log.text().count("restarts from its prompt")  # one warning each
+    assert restarts == log.count("restarts from its prompt")  # one warning each
     # Each failed attempt routed between one (the request that lost its generator) and all of
     # its group's requests, beyond what the run needs once (the last validation is after).
     config = tiny_job(tmp_path, "lost", num_steps=num_steps)  # as run_tiny_job ran it

@@ -211,4 +211,4 @@ def test_per_turn_credit_reaches_the_trainer_and_validation_reports_each_turn(mu
     for key, value in per_turn.items():
         assert metrics[NUM_STEPS][f"validation/{key}"] == value
         assert 0.0 <= value <= 1.0
-    assert f"validation/turn_1/a_to_m" in metrics[0]
+    assert "validation/turn_1/a_to_m" in metrics[0]

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import pathlib
-import signal
 import subprocess
 import sys
 
@@ -35,7 +33,12 @@ from torchtitan_rl.controller.worker_pool import (
 from torchtitan_rl.generator import GeneratorLostError
 from torchtitan_rl.types import Sampling
 
-from tests.controller.jobs import REPO_ROOT, LogWatch, env_without_faults, read_metrics
+from tests.controller.jobs import (
+    REPO_ROOT,
+    env_without_faults,
+    read_metrics,
+    run_killing_generator_0,
+)
 
 
 # ---- fast: assignment ------------------------------------------------------------------------------
@@ -251,24 +254,9 @@ def test_workers_on_a_simulated_host_train_the_groups_and_losses_of_a_job_withou
 @pytest.mark.slow
 def test_a_generator_killed_with_workers_on_is_replaced_and_its_groups_restart(tmp_path):
     num_steps, num_prompts = 5, 10
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "lost",
-         str(num_steps), "--num-prompts", str(num_prompts), "--num-workers", "1"],
-        cwd=REPO_ROOT, env=env_without_faults(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
-    )
-    log = LogWatch(proc.stderr)
-    try:
-        started = log.wait_for(r"generator generator_0 started \(tp=1, pids (\d+) ")
-        log.wait_for(r"rollout worker rollout_worker_0 started")
-        log.wait_for(r"step=1 ")
-        os.kill(int(started.group(1)), signal.SIGKILL)
-        proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    stdout = proc.stdout.read()
-    assert proc.returncode == 0, log.text()[-4000:]
+    returncode, stdout, log = run_killing_generator_0(
+        tmp_path, "lost", num_steps, "--num-prompts", str(num_prompts), "--num-workers", "1")
+    assert returncode == 0, log[-4000:]
     assert f"steps={num_steps}" in stdout.strip().splitlines()[-1].split()
     run_dir = tmp_path / "lost"
     steps = _trained(run_dir)
@@ -278,11 +266,11 @@ def test_a_generator_killed_with_workers_on_is_replaced_and_its_groups_restart(t
     assert len(sample_ids) == len(set(sample_ids))
     last = read_metrics(run_dir)[num_steps - 1]
     assert last["generator/restarts"] == 1
-    assert "generator_0 replaced by generator_0_r1" in log.text()
+    assert "generator_0 replaced by generator_0_r1" in log
     # The kill lands while step 2's groups generate in the worker (admitted when step 1's
     # weights were published): those with a request on the dead generator restarted whole.
     restarts = last["generator/groups_restarted_after_loss"]
-    assert restarts == log.text().count("restarts from its prompt") >= 1, log.text()[-4000:]
+    assert restarts == log.count("restarts from its prompt") >= 1, log[-4000:]
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ how it batches, that it learns, and that its cache is reused."""
 from __future__ import annotations
 
 import logging
-import pathlib
 import random
 
 import pytest

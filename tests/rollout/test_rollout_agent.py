@@ -6,7 +6,6 @@ has its status or HTTP error."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest

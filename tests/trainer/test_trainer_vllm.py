@@ -7,7 +7,6 @@ import os
 import pathlib
 
 import pytest
-import torch
 
 from torchtitan_rl.trainer.batcher import Batcher
 from torchtitan_rl.trainer.core import PolicyTrainerCore

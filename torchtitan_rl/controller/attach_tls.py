@@ -24,7 +24,7 @@ import urllib.parse
 from typing import Any
 
 from torchtitan_rl.config.errors import ConfigError
-from torchtitan_rl.tls import CA_CERT, apply_monarch_tls, tls_files
+from torchtitan_rl.tls import apply_monarch_tls, tls_files
 
 logger = logging.getLogger(__name__)
 
