@@ -211,6 +211,26 @@ def test_a_lost_worker_fails_its_groups_takes_none_and_its_replacement_learns_th
     assert pool.metrics([0, 0])["rollout/workers_replaced"] == 1.0
 
 
+def test_a_worker_lost_before_any_group_is_replaced_and_serves():
+    async def finish(group_id, *args):
+        return GroupOutcome(group_id=group_id, group=None, num_routed=[0])
+
+    replacement = _ReplaceableWorker(finish)
+
+    async def respawn(index: int, name: str):
+        return _Procs(), replacement
+
+    async def go() -> None:
+        pool = RolloutWorkerPool([(_Procs(), _ReplaceableWorker(finish))], num_generators=1,
+                                 respawn=respawn)
+        pool.mark_lost(0, "SIGKILL")  # before any group: the pool has not waited yet
+        await asyncio.gather(*pool._replacements)  # the replacement is in before the group
+        assert (await pool.run_group(1, 0, 4, Sampling())).group_id == 1
+
+    asyncio.run(asyncio.wait_for(go(), 10))
+    assert [c[0] for c in replacement.run_group.calls] == [1]
+
+
 def test_an_agent_task_with_workers_is_refused_naming_the_key(tiny_model_dir):
     config = parse_args(RLJob.Config, [
         "--model.size", "tiny", "--task.type", "torchtitan_rl.rollout.agent_task:AgentTask",

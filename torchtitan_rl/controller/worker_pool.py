@@ -181,12 +181,16 @@ class RolloutWorkerPool:
         return outcome
 
     async def _acquire(self) -> int:
-        if self._changed is None:
-            self._changed = asyncio.Condition()
-        async with self._changed:
-            await self._changed.wait_for(
+        async with self._workers_changed():
+            await self._workers_changed().wait_for(
                 lambda: len(self.assigner.down) < len(self.workers))
         return self.assigner.acquire()
+
+    def _workers_changed(self) -> asyncio.Condition:
+        """Notified when a replacement takes groups (made in the event loop, on first use)."""
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
 
     def _lost_future(self, index: int) -> asyncio.Future[str]:
         lost = self._lost[index]
@@ -246,9 +250,8 @@ class RolloutWorkerPool:
         self._lost[index] = None
         self.assigner.down.discard(index)
         logger.info("rollout worker %d replaced (%s)", index, name)
-        assert self._changed is not None
-        async with self._changed:
-            self._changed.notify_all()
+        async with self._workers_changed():
+            self._workers_changed().notify_all()
 
     # ---- RouterMirror (controller/router.py): the workers' routers follow the controller's ----
     def set_syncing(self, index: int, syncing: bool) -> None:
