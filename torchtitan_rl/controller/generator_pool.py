@@ -162,7 +162,7 @@ class GeneratorPool:
     async def _push_by_shared_memory(self, index: int, version: int, push: PushTotals) -> None:
         assert self.router is not None
         generator = self.handles[index]
-        self.router.set_syncing(index, True)
+        self.router.set_syncing([index], True)
         trainer_called = False
         try:
             metrics = await until_lost(generator, self.trainer.push_weights(generator, version))
@@ -181,7 +181,7 @@ class GeneratorPool:
             generator.mark_lost(f"during the push of v{version}: {e}")
             logger.warning("push v%d to %s failed: it was lost", version, generator.name)
         finally:
-            self.router.set_syncing(index, False)
+            self.router.set_syncing([index], False)
 
     async def _relay(self, version: int, indices: list[int], push: PushTotals) -> None:
         """Relay ``version`` down a chain of the generators ``indices``; a generator lost on the
@@ -193,8 +193,8 @@ class GeneratorPool:
         if indices:
             push.timings["weight_sync/num_relayed"] = float(len(indices))
         while indices:
-            for index in indices:
-                self.router.set_syncing(index, True)
+            syncing = indices
+            self.router.set_syncing(syncing, True)
             try:
                 chain = [self.handles[i] for i in indices]
                 if attempt:
@@ -207,8 +207,7 @@ class GeneratorPool:
                 missed = await relay_once(self.trainer, chain, version, attempt, push, pulled)
                 indices = [indices[p] for p in missed]
             finally:
-                for index in range(len(self.handles)):
-                    self.router.set_syncing(index, False)
+                self.router.set_syncing(syncing, False)
             attempt += 1
         if attempt:  # from the first send to the last generator's pull, attempts included
             push.timings["weight_sync/relay_s"] = time.perf_counter() - start

@@ -170,8 +170,8 @@ class RolloutWorker(Actor):
             task.cancel()
 
     @concurrent_endpoint
-    async def set_syncing(self, index: int, syncing: bool) -> None:
-        self.router.set_syncing(index, syncing)
+    async def set_syncing(self, indices: list[int], syncing: bool) -> None:
+        self.router.set_syncing(indices, syncing)
 
     @concurrent_endpoint
     async def take_out(self, index: int, reason: str) -> None:

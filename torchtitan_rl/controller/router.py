@@ -41,7 +41,7 @@ class RouterMirror(Protocol):
     """A copy of the router's serving set kept elsewhere (a rollout worker's router); each call
     returns at once (a message is sent, no reply awaited)."""
 
-    def set_syncing(self, index: int, syncing: bool) -> None: ...
+    def set_syncing(self, indices: list[int], syncing: bool) -> None: ...
     def take_out(self, index: int, reason: str) -> None: ...
     def put_back(self, index: int, generator: GenerateFn) -> None: ...
 
@@ -111,11 +111,13 @@ class GeneratorRouter(Configurable):
         pool = available or serving
         return min(pool, key=lambda i: (self.inflight_requests[i], self.num_routed[i], i))
 
-    def set_syncing(self, index: int, syncing: bool) -> None:
-        """Mark a generator as pulling weights (sticky sessions move off it meanwhile)."""
-        (self._syncing.add if syncing else self._syncing.discard)(index)
+    def set_syncing(self, indices: list[int], syncing: bool) -> None:
+        """Mark generators as pulling weights (sticky sessions move off them meanwhile); one
+        message per mirror for the lot (a push marks every relayed generator at once)."""
+        for index in indices:
+            (self._syncing.add if syncing else self._syncing.discard)(index)
         for mirror in self._mirrors:
-            mirror.set_syncing(index, syncing)
+            mirror.set_syncing(indices, syncing)
 
     def take_out(self, index: int) -> None:
         """Route nothing to generator ``index`` until ``put_back``."""

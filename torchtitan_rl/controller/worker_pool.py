@@ -243,8 +243,8 @@ class RolloutWorkerPool:
         # Its router starts from every generator serving: tell it what the others know.
         for g in self._out:
             actor.take_out.broadcast(g, "lost before this worker started")
-        for g in self._syncing:
-            actor.set_syncing.broadcast(g, True)
+        if self._syncing:
+            actor.set_syncing.broadcast(sorted(self._syncing), True)
         self.workers[index] = (procs, actor)
         self.names[index] = name
         self._lost[index] = None
@@ -254,10 +254,11 @@ class RolloutWorkerPool:
             self._workers_changed().notify_all()
 
     # ---- RouterMirror (controller/router.py): the workers' routers follow the controller's ----
-    def set_syncing(self, index: int, syncing: bool) -> None:
-        (self._syncing.add if syncing else self._syncing.discard)(index)
+    def set_syncing(self, indices: list[int], syncing: bool) -> None:
+        for index in indices:
+            (self._syncing.add if syncing else self._syncing.discard)(index)
         for _, actor in self.workers:
-            actor.set_syncing.broadcast(index, syncing)
+            actor.set_syncing.broadcast(list(indices), syncing)
 
     def take_out(self, index: int, reason: str) -> None:
         self._out.add(index)
