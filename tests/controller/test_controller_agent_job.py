@@ -1,7 +1,8 @@
 """An agent task through the whole stack (Monarch meshes, vLLM generator, torchtitan trainer, the
 run's OpenAI-compatible endpoint on 127.0.0.1, the real `openai` client): the job trains 2 steps
 and every trained sample's tokens are the tokens the generator produced, as the endpoint returned
-them to the agent (vLLM's ``return_token_ids``), the loss mask exactly on the model's tokens.
+them to the agent (vLLM's ``return_token_ids``), the loss mask exactly on the model's tokens; and
+agents run in rollout workers (each serving its own endpoint) train the same samples and losses.
 
 What the trainer received is read from ``trainer.debug_batch_log``; which document is which sample
 from trained_samples.jsonl (see test_controller_multi_turn_job.py).
@@ -35,25 +36,31 @@ NUM_STEPS = 2
 SEQ_LEN = 128
 
 
+def _agent_job(tmp_path: pathlib.Path, name: str, *, num_workers: int = 0,
+               batch_log: pathlib.Path | None = None):
+    base = tiny_job(tmp_path, name, num_steps=NUM_STEPS)
+    return dataclasses.replace(
+        base,
+        task=AgentTask.Config(agent="tests.controller.letter_agent:run",
+                              episodes=LetterTask.Config(), tool_parser="hermes"),
+        rollouter=Rollouter.Config(group_size=4, max_turns=2, max_rollout_tokens=SEQ_LEN,
+                                   num_workers=num_workers),
+        sampling=Sampling(max_tokens=12, stop_token_ids=STOP_TOKEN_IDS),
+        generator=Generator.Config(max_model_len=SEQ_LEN, kv_cache_bytes=32 << 20),
+        batcher=Batcher.Config(seq_len=SEQ_LEN),
+        trainer=dataclasses.replace(
+            base.trainer, debug_batch_log=str(batch_log) if batch_log is not None else ""),
+        validation=Validator.Config(num_prompts=2),
+        checkpoint=Checkpointer.Config(every_steps=0, export_hf=False),
+    )
+
+
 def test_agent_job_trains_exactly_the_generated_tokens(tmp_path: pathlib.Path) -> None:
     letter_agent.CALLS.clear()
     letter_agent.CHECKS.clear()
     letter_agent.TOOL_CALLS.clear()
     batch_log = tmp_path / "trainer_batches.jsonl"
-    base = tiny_job(tmp_path, "agent", num_steps=NUM_STEPS)
-    config = dataclasses.replace(
-        base,
-        task=AgentTask.Config(agent="tests.controller.letter_agent:run",
-                              episodes=LetterTask.Config(), tool_parser="hermes"),
-        rollouter=Rollouter.Config(group_size=4, max_turns=2, max_rollout_tokens=SEQ_LEN),
-        sampling=Sampling(max_tokens=12, stop_token_ids=STOP_TOKEN_IDS),
-        generator=Generator.Config(max_model_len=SEQ_LEN, kv_cache_bytes=32 << 20),
-        batcher=Batcher.Config(seq_len=SEQ_LEN),
-        trainer=dataclasses.replace(base.trainer, debug_batch_log=str(batch_log)),
-        validation=Validator.Config(num_prompts=2),
-        checkpoint=Checkpointer.Config(every_steps=0, export_hf=False),
-    )
-    summary = main(config)
+    summary = main(_agent_job(tmp_path, "agent", batch_log=batch_log))
     assert summary["steps"] == NUM_STEPS
     run_dir = tmp_path / "agent"
 
@@ -100,3 +107,23 @@ def test_agent_job_trains_exactly_the_generated_tokens(tmp_path: pathlib.Path) -
     assert num_two_call_samples > 0
     # rollout 1's tool result continued its sample (checked above like every other sample)
     assert letter_agent.TOOL_CALLS and num_tool_samples > 0
+
+
+def test_agents_in_rollout_workers_train_the_samples_and_losses_of_agents_in_the_controller(
+        tmp_path: pathlib.Path) -> None:
+    # Each worker serves its own endpoint (a free port) to the agents of its groups; S = 0 and
+    # one seed: where an agent runs must change nothing but the wires.
+    main(_agent_job(tmp_path, "in_controller"))
+    main(_agent_job(tmp_path, "in_workers", num_workers=2))
+    trained = [[json.loads(line)["sample_ids"] for line in
+                (tmp_path / name / "trained_samples.jsonl").read_text().splitlines()]
+               for name in ("in_controller", "in_workers")]
+    assert trained[0] == trained[1] and all(trained[0])
+    expected, got = read_metrics(tmp_path / "in_controller"), read_metrics(tmp_path / "in_workers")
+    for step in range(NUM_STEPS):
+        for key in ("loss/value", "loss/num_valid_tokens", "rollout_reward/mean",
+                    "rollout/status/error_env"):
+            assert got[step][key] == expected[step][key], (step, key)
+        assert got[step]["rollout/status/error_env"] > 0  # rollout 3's agent raised, in a worker
+        assert "rollout/workers_replaced" in got[step]  # the workers' pool ran the groups
+        assert "rollout/workers_replaced" not in expected[step]

@@ -233,14 +233,16 @@ def test_a_worker_lost_before_any_group_is_replaced_and_serves():
     assert [c[0] for c in replacement.run_group.calls] == [1]
 
 
-def test_an_agent_task_with_workers_is_refused_naming_the_key(tiny_model_dir):
-    config = parse_args(RLJob.Config, [
-        "--model.size", "tiny", "--task.type", "torchtitan_rl.rollout.agent_task:AgentTask",
-        "--task.agent", "tests.controller.letter_agent:run",
-        "--task.episodes.type", "tests.controller.letter_task:LetterTask",
-        "--rollouter.num_workers", "2"]).config
-    with pytest.raises(ConfigError, match=r"^rollouter.num_workers=2: an agent task .* set "
-                                          r"rollouter.num_workers = 0$"):
+def test_an_agent_task_with_workers_needs_a_free_port_each_naming_the_key(tiny_model_dir):
+    args = ["--model.size", "tiny", "--task.type", "torchtitan_rl.rollout.agent_task:AgentTask",
+            "--task.agent", "tests.controller.letter_agent:run",
+            "--task.episodes.type", "tests.controller.letter_task:LetterTask",
+            "--rollouter.num_workers", "2"]
+    RLJob(parse_args(RLJob.Config, args).config).resolve()  # task.port = 0: one port each
+    config = parse_args(RLJob.Config, [*args, "--task.port", "8000"]).config
+    with pytest.raises(ConfigError, match=r"^rollouter.num_workers=2: each rollout worker serves "
+                                          r"its own agent endpoint, on a free port: task.port "
+                                          r"must be 0, got 8000$"):
         RLJob(config).resolve()
 
 

@@ -148,11 +148,12 @@ class ResolvedJob:
                 "verify_weight_push needs generator.tensor_parallel_degree=1 (TP ranks hold "
                 f"shards), got {degrees}"
             )
-        if self.rollouter.num_workers and getattr(type(self.task), "_owner", None) is AgentTask:
+        if (self.rollouter.num_workers and getattr(type(self.task), "_owner", None) is AgentTask
+                and getattr(self.task, "port", 0) != 0):
             raise ConfigError(
-                f"rollouter.num_workers={self.rollouter.num_workers}: an agent task "
-                "(task.type AgentTask) serves its agents' HTTP endpoint from the controller; "
-                "set rollouter.num_workers = 0"
+                f"rollouter.num_workers={self.rollouter.num_workers}: each rollout worker serves "
+                f"its own agent endpoint, on a free port: task.port must be 0, got "
+                f"{getattr(self.task, 'port')}"
             )
         self.placement.check(num_generators=len(self.generators),
                              num_trainer_ranks=self.num_trainer_ranks)

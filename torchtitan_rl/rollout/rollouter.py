@@ -105,7 +105,8 @@ class Rollouter(Configurable):
         main job's steps ~25 % slower (its process competes with the generator and the trainer
         for the cores) although it cut the controller's CPU per turn from ~1.5 ms to one call
         per group (docs/scaling.md, "Rollout workers"); use workers when the generators run on
-        other machines. Agent tasks need 0 (their HTTP endpoint lives in the controller)."""
+        other machines. With an agent task each worker serves its agents' endpoint on a free
+        port (task.port must be 0)."""
 
         def __post_init__(self) -> None:
             if self.group_size < 1:
