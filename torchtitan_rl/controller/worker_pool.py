@@ -36,6 +36,7 @@ from torchtitan_rl.controller.rollout_worker import (
     RolloutWorkerSpec,
 )
 from torchtitan_rl.generator import GeneratorHandle, GeneratorLostError
+from torchtitan_rl.generator.launch import is_supervision_error
 from torchtitan_rl.types import GenerateFn, Sampling
 
 logger = logging.getLogger(__name__)
@@ -168,6 +169,8 @@ class RolloutWorkerPool:
         try:
             outcome: GroupOutcome = call.result()
         except Exception as e:
+            if not is_supervision_error(e):
+                raise  # the worker's own error (its endpoint raised): the run fails with it
             # The call can fail before Monarch's supervision names the dead mesh: wait for it.
             await asyncio.wait({lost}, timeout=LOSS_REPORT_WAIT_S)
             if lost.done():
