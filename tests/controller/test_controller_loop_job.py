@@ -268,7 +268,7 @@ def test_generator_killed_mid_step_is_replaced_and_nothing_is_lost(tmp_path, sta
     assert restarts <= extra <= restarts * config.rollouter.group_size, (extra, last)
     if num_generators == 1:  # the run could only go on once the replacement served
         assert last["generator/recovery_s"] > 0
-        assert "generator_0 replaced by generator_0_r1" in log.text()
+        assert "generator_0 replaced by generator_0_r1" in log
     else:  # the other generator served while the first was replaced
         assert last["generator/requests_served_by_others_during_recovery"] > 0
 
