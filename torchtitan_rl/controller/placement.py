@@ -28,7 +28,6 @@ import asyncio
 import dataclasses
 import logging
 import math
-import os
 import sys
 import urllib.parse
 from typing import Any, Literal
@@ -302,8 +301,8 @@ async def _attach(c: Placement.Config) -> RunHosts:
 
 async def _start_simulated_hosts(job: Any, timeout_s: float) -> None:
     """Start a ProcessJob's workers and return once each listens on its socket. Monarch 0.6
-    attaches as soon as the processes exist, and a worker still importing Python when the
-    attach dials fails the whole attach ("config push failed during attach")."""
+    drops an attach message sent before a worker listens once its delivery timeout passes, and
+    the attach never completes ("config push failed during attach")."""
     await asyncio.to_thread(job.apply)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
@@ -316,23 +315,15 @@ async def _start_simulated_hosts(job: Any, timeout_s: float) -> None:
                 writer.close()
                 break
             except OSError:
-                if not _alive(worker.pid):
+                if not job._pids_active():  # a worker of the job is gone
                     raise HostUnreachableError(
-                        f"placement.kind=process: the simulated host {host} (pid {worker.pid}) "
-                        f"exited before it listened on {path}") from None
+                        f"placement.kind=process: a simulated host's worker exited while "
+                        f"starting ({host} was not listening on {path} yet)") from None
                 if loop.time() > deadline:
                     raise HostUnreachableError(
                         f"placement.kind=process: the simulated host {host} did not listen on "
                         f"{path} after {timeout_s:g} s (placement.host_timeout_s)") from None
                 await asyncio.sleep(0.05)  # polling a socket that is not bound yet
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _check_address(key: str, address: str) -> None:
