@@ -74,6 +74,19 @@ def read_metrics(run_dir: pathlib.Path) -> dict[int, dict[str, float]]:
     return by_step
 
 
+def assert_every_group_trained_once(run_dir: pathlib.Path, num_steps: int,
+                                    num_prompts: int) -> None:
+    """trained_samples.jsonl: every step once, every group once (none lost, none twice), no
+    sample twice."""
+    steps = [json.loads(line) for line in
+             (run_dir / "trained_samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(num_steps))  # every step once
+    group_ids = [g for s in steps for g in s["group_ids"]]
+    assert sorted(group_ids) == list(range(num_prompts))  # every group once, none twice
+    sample_ids = [i for s in steps for i in s["sample_ids"]]
+    assert len(sample_ids) == len(set(sample_ids))
+
+
 def read_hf_weights(directory: pathlib.Path) -> dict:
     from safetensors.torch import load_file
 

@@ -24,6 +24,7 @@ from torchtitan_rl.train import main
 
 from tests.controller.jobs import (
     REPO_ROOT,
+    assert_every_group_trained_once,
     env_without_faults,
     read_hf_weights,
     read_metrics,
@@ -247,13 +248,7 @@ def test_generator_killed_mid_step_is_replaced_and_nothing_is_lost(tmp_path, sta
     assert returncode == 0, log[-4000:]
     assert "steps=6" in stdout.strip().splitlines()[-1].split()
     run_dir = tmp_path / "lost"
-    steps = [json.loads(line) for line in
-             (run_dir / "trained_samples.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == list(range(num_steps))  # every step once
-    group_ids = [g for s in steps for g in s["group_ids"]]
-    assert sorted(group_ids) == list(range(num_prompts))  # every group once, none twice
-    sample_ids = [i for s in steps for i in s["sample_ids"]]
-    assert len(sample_ids) == len(set(sample_ids))
+    assert_every_group_trained_once(run_dir, num_steps, num_prompts)
     last = read_metrics(run_dir)[num_steps - 1]
     assert last["generator/restarts"] == 1
     # groups that had a request on generator_0 restarted whole (how many depends on where in the

@@ -35,6 +35,7 @@ from torchtitan_rl.types import Sampling
 
 from tests.controller.jobs import (
     REPO_ROOT,
+    assert_every_group_trained_once,
     env_without_faults,
     read_metrics,
     run_killing_generator_0,
@@ -283,11 +284,7 @@ def test_a_generator_killed_with_workers_on_is_replaced_and_its_groups_restart(t
     assert returncode == 0, log[-4000:]
     assert f"steps={num_steps}" in stdout.strip().splitlines()[-1].split()
     run_dir = tmp_path / "lost"
-    steps = _trained(run_dir)
-    assert [s["step"] for s in steps] == list(range(num_steps))  # every step once
-    assert sorted(g for s in steps for g in s["group_ids"]) == list(range(num_prompts))
-    sample_ids = [i for s in steps for i in s["sample_ids"]]
-    assert len(sample_ids) == len(set(sample_ids))
+    assert_every_group_trained_once(run_dir, num_steps, num_prompts)
     last = read_metrics(run_dir)[num_steps - 1]
     assert last["generator/restarts"] == 1
     assert "generator_0 replaced by generator_0_r1" in log
@@ -310,11 +307,7 @@ def test_a_rollout_worker_killed_mid_run_is_replaced_and_its_groups_restart(tmp_
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"steps={num_steps}" in proc.stdout.strip().splitlines()[-1].split()
     run_dir = tmp_path / "lost_worker"
-    steps = _trained(run_dir)
-    assert [s["step"] for s in steps] == list(range(num_steps))  # every step once
-    assert sorted(g for s in steps for g in s["group_ids"]) == list(range(num_prompts))
-    sample_ids = [i for s in steps for i in s["sample_ids"]]
-    assert len(sample_ids) == len(set(sample_ids))
+    assert_every_group_trained_once(run_dir, num_steps, num_prompts)
     log = proc.stderr
     assert "fault injection: SIGKILL at kill_rollout_worker_after_groups=2" in log
     assert "rollout worker 0 replaced (rollout_worker_0_r1)" in log, log[-4000:]
