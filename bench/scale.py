@@ -15,7 +15,8 @@ metrics line with its own CPU seconds (``time.process_time``: every thread of th
 Monarch's included) and wall clock; steps before ``--warmup-steps`` are skipped.
 
 Per N: controller CPU ms per turn (CPU seconds over the measured steps / the turns they
-generated: rollouts x turns, from metrics.jsonl), turns/s sustained (the same turns / the steps'
+generated: rollouts x turns, from metrics.jsonl) and two parts of it, the main thread's (``loop``:
+the event loop running the controller's code) and Monarch's runtime threads' (``monarch``), turns/s sustained (the same turns / the steps'
 ``time/generate_s``: with the default synchronous loop, ``--max-staleness 0``, generation runs
 alone, so the trainer's speed on this machine does not bound it), bytes sent by the busiest
 process per push (``weight_sync/busiest_sender_bytes`` when the push reports it, else
@@ -69,6 +70,11 @@ class CaseResult:
     push_s: float
     step_s: float
     peak_rss_gib: float = 0.0
+    loop_ms_per_turn: float = 0.0
+    """Of controller_ms_per_turn: the controller's main thread (its event loop: the training
+    loop, the gate, the pools, the calls' Python side, metrics)."""
+    monarch_ms_per_turn: float = 0.0
+    """Of controller_ms_per_turn: Monarch's runtime threads (``monarch-*``: its tokio workers)."""
 
 
 # ---- the child: one job, this process its controller ----------------------------------------
@@ -124,6 +130,25 @@ def job_config(args: argparse.Namespace, n: int, run_dir: pathlib.Path):
     )
 
 
+def thread_cpu_s() -> tuple[float, float]:
+    """(this process's main thread, its ``monarch-*`` threads) CPU seconds, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    main_s = monarch_s = 0.0
+    for task in pathlib.Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended
+            continue
+        name = stat[stat.index("(") + 1: stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        seconds = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        if int(task.name) == os.getpid():
+            main_s += seconds
+        elif name.startswith("monarch-"):
+            monarch_s += seconds
+    return main_s, monarch_s
+
+
 def run_case(args: argparse.Namespace, n: int) -> None:
     """Child mode: run the job for ``n`` generators, write ``result.json`` in its folder."""
     sys.path.insert(0, str(REPO))
@@ -137,20 +162,23 @@ def run_case(args: argparse.Namespace, n: int) -> None:
 
     def stamped(self, step: int, metrics: dict[str, float]) -> None:
         # The controller's own CPU and wall clock at the end of each step (after its push).
+        main_s, monarch_s = thread_cpu_s()
         log(self, step, {**metrics, "bench/controller_cpu_s": time.process_time(),
+                         "bench/controller_loop_cpu_s": main_s,
+                         "bench/controller_monarch_cpu_s": monarch_s,
                          "bench/wall_s": time.perf_counter()})
 
     MetricsLogger.log = stamped  # type: ignore[method-assign]
-    start_cpu, start_wall = time.process_time(), time.perf_counter()
+    start = (time.process_time(), time.perf_counter(), *thread_cpu_s())
     RLJob(job_config(args, n, case_dir / "job")).run()
     steps = [json.loads(line) for line in (case_dir / "job" / "metrics.jsonl").read_text()
              .splitlines()]
-    result = figures(n, steps, args.warmup_steps, (start_cpu, start_wall))
+    result = figures(n, steps, args.warmup_steps, start)
     (case_dir / "result.json").write_text(json.dumps(dataclasses.asdict(result)))
 
 
 def figures(n: int, steps: list[dict], warmup_steps: int,
-            start: tuple[float, float]) -> CaseResult:
+            start: tuple[float, float, float, float]) -> CaseResult:
     """The measured steps' figures: from the end of the last warm-up step (or the job's start)
     to the end of the last step."""
     steps = sorted(steps, key=lambda s: s["step"])
@@ -158,9 +186,12 @@ def figures(n: int, steps: list[dict], warmup_steps: int,
     if not measured:
         raise RuntimeError(f"no step after the {warmup_steps} warm-up steps")
     before = [s for s in steps if s["step"] == warmup_steps - 1]
-    cpu0, wall0 = ((before[0]["bench/controller_cpu_s"], before[0]["bench/wall_s"])
-                   if before else start)
+    keys = ("bench/controller_cpu_s", "bench/wall_s", "bench/controller_loop_cpu_s",
+            "bench/controller_monarch_cpu_s")
+    cpu0, wall0, loop0, monarch0 = [before[0][k] for k in keys] if before else start
     cpu_s = measured[-1]["bench/controller_cpu_s"] - cpu0
+    loop_s = measured[-1]["bench/controller_loop_cpu_s"] - loop0
+    monarch_s = measured[-1]["bench/controller_monarch_cpu_s"] - monarch0
     generate_s = sum(s["time/generate_s"] for s in measured)
     turns = sum(round(s.get("rollout/num_rollouts", 0) * s.get("rollout/num_turns", 0))
                 for s in measured)
@@ -171,6 +202,8 @@ def figures(n: int, steps: list[dict], warmup_steps: int,
 
     return CaseResult(
         num_generators=n, controller_ms_per_turn=1e3 * cpu_s / max(turns, 1),
+        loop_ms_per_turn=1e3 * loop_s / max(turns, 1),
+        monarch_ms_per_turn=1e3 * monarch_s / max(turns, 1),
         turns_per_s=turns / generate_s, num_turns=turns, num_steps=len(measured),
         busiest_sender_bytes=mean("weight_sync/busiest_sender_bytes", "weight_sync/bytes_moved"),
         model_bytes=mean("weight_sync/model_bytes", "weight_sync/bytes"),
@@ -351,10 +384,11 @@ def cpu_split(results: list[CaseResult]) -> tuple[float, float]:
 
 
 def print_table(results: list[CaseResult]) -> None:
-    print(f"{'N':>3} {'ctl ms/turn':>11} {'turns/s':>8} {'turns':>6} {'busiest MB':>10} "
+    print(f"{'N':>3} {'ctl ms/turn':>11} {'loop':>6} {'monarch':>7} {'turns/s':>8} {'turns':>6} {'busiest MB':>10} "
           f"{'model MB':>9} {'busiest/model':>13} {'push s':>7} {'step s':>7} {'peak GiB':>8}")
     for r in results:
-        print(f"{r.num_generators:>3} {r.controller_ms_per_turn:>11.4f} {r.turns_per_s:>8.1f} "
+        print(f"{r.num_generators:>3} {r.controller_ms_per_turn:>11.4f} {r.loop_ms_per_turn:>6.3f} "
+              f"{r.monarch_ms_per_turn:>7.3f} {r.turns_per_s:>8.1f} "
               f"{r.num_turns:>6} {r.busiest_sender_bytes / 1e6:>10.1f} {r.model_bytes / 1e6:>9.1f} "
               f"{r.busiest_sender_bytes / r.model_bytes:>13.2f} {r.push_s:>7.2f} "
               f"{r.step_s:>7.2f} {r.peak_rss_gib:>8.1f}")

@@ -280,9 +280,18 @@ _SILENCED: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
+# HTTP clients that log every request at INFO: the `openai` client an agent task's episodes use
+# (httpx2; 3,782 lines in 15 steps of the agent job, ~6 % of the controller's CPU) and the
+# external-server GenerateFn (httpx). Per-request lines belong at debug level; failures still
+# reach the log as the callers' own errors.
+_PER_REQUEST_LOGGERS = ("httpx", "httpx2")
+
+
 def silence_known_upstream_noise() -> None:
     """Filters on the upstream loggers themselves (their source), so the lines are dropped in
-    every handler, file included. Idempotent."""
+    every handler, file included; per-request loggers at WARNING. Idempotent."""
+    for name in _PER_REQUEST_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
     for name, starts in _SILENCED:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessages) for f in logger.filters):

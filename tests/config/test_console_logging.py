@@ -94,6 +94,17 @@ def test_known_harmless_vllm_lines_are_dropped_at_their_source(caplog):
     assert [r.getMessage() for r in caplog.records] == ["ParallelLMHead: Failed to load weights"]
 
 
+def test_http_clients_per_request_lines_stay_out_of_the_log(caplog):
+    """The `openai` client logs each request at INFO (httpx2): an agent job's log would hold
+    one line per generate call."""
+    console.silence_known_upstream_noise()
+    with caplog.at_level(logging.INFO):
+        for name in ("httpx", "httpx2"):
+            logging.getLogger(name).info('HTTP Request: POST http://127.0.0.1/v1 "200 OK"')
+            logging.getLogger(name).warning("connection refused")
+    assert [r.getMessage() for r in caplog.records] == ["connection refused"] * 2
+
+
 def test_monarch_actor_prefix_is_dropped_from_our_lines():
     formatter = console._Formatter("%(message)s")
     record = logging.LogRecord("torchtitan_rl.x", logging.INFO, __file__, 1,
