@@ -16,14 +16,28 @@ stand-in for a generator's time per call, 0 measures the endpoint's overhead alo
 ``--concurrency`` groups run at a time. Each side runs once to warm up, then ``--iters`` times;
 turns/s is the median (figures on 2 shared cores: docs/agents.md, "Overhead"). The lines are
 key=value; the last is ``ratio=<endpoint / in_process>``.
+
+    python bench/agent_endpoint.py --jobs [--steps 15]
+
+The same comparison with the real generator: the main job (run_configs/alphabet_sort_cpu.toml)
+and its agent version (run_configs/alphabet_sort_agent.toml), one after the other, ``--steps``
+steps each (no validation, no checkpoints; the warm start is the cached one both share). Same
+seeds and episodes: the two runs generate the same tokens (the bench checks the turn counts and
+the losses agree). turns/s is each run's turns over its ``time/generate_s`` (the first step, a
+warm-up, left out); on this box the controller shares the cores with vLLM, so its extra CPU per
+turn (``rollout/controller_cpu_ms_per_turn``, printed too) slows generation.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import math
+import os
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any
@@ -95,6 +109,45 @@ async def _play(rollouter: Rollouter, generate: OracleGenerate, episodes: list[A
     return sum(turns), time.perf_counter() - start
 
 
+JOB_CONFIGS = {"in_process": "run_configs/alphabet_sort_cpu.toml",
+               "endpoint": "run_configs/alphabet_sort_agent.toml"}
+
+
+def run_jobs(steps: int, output_dir: pathlib.Path) -> None:
+    """--jobs: both real jobs, ``steps`` steps each; prints a line per side and the ratio."""
+    output_dir = output_dir / time.strftime("%Y%m%d-%H%M%S")
+    rates: dict[str, float] = {}
+    per_step: dict[str, list[tuple[float, float]]] = {}
+    for side, config in JOB_CONFIGS.items():
+        command = [sys.executable, "-m", "torchtitan_rl.train", "--config", config,
+                   "--output_dir", str(output_dir), "--name", side, "--loop.num_steps", str(steps),
+                   "--validation.num_prompts", "0", "--checkpoint.every_steps", "0"]
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        print(f"running {side}: {' '.join(command[1:])}", flush=True)
+        subprocess.run(command, cwd=REPO_ROOT, env=env, check=True)
+        rows = [json.loads(line) for line in
+                (output_dir / side / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in sorted(rows, key=lambda r: r["step"])
+                if r["step"] >= 1 and "rollout/num_rollouts" in r]
+        turns = sum(r["rollout/num_rollouts"] * r["rollout/num_turns"] for r in rows)
+        generate_s = sum(r["time/generate_s"] for r in rows)
+        cpu_ms = statistics.median(r["rollout/controller_cpu_ms_per_turn"] for r in rows)
+        per_step[side] = [(round(r["rollout/num_rollouts"] * r["rollout/num_turns"]),
+                           r["loss/num_valid_tokens"], r["loss/value"]) for r in rows]
+        rates[side] = turns / generate_s
+        print(f"bench=agent_endpoint side={side} via=jobs steps={len(rows)} turns={turns:.0f} "
+              f"generate_s={generate_s:.1f} turns_per_s={rates[side]:.1f} "
+              f"controller_cpu_ms_per_turn={cpu_ms:.2f}", flush=True)
+    # Same tokens: the same turns and trained tokens each step, losses equal to float noise.
+    ours, theirs = per_step["in_process"], per_step["endpoint"]
+    same_tokens = [a[:2] for a in ours] == [b[:2] for b in theirs]
+    same_losses = len(ours) == len(theirs) and all(
+        math.isclose(a[2], b[2], rel_tol=1e-3, abs_tol=1e-7) for a, b in zip(ours, theirs))
+    print(f"bench=agent_endpoint same_tokens={same_tokens} same_losses={same_losses} "
+          f"run_dir={output_dir}")
+    print(f"ratio={rates['endpoint'] / rates['in_process']:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=32)
@@ -104,7 +157,14 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--own-client", action="store_true",
                         help="also time an agent that builds its own client per episode")
+    parser.add_argument("--jobs", action="store_true",
+                        help="compare the real main job with its agent version instead")
+    parser.add_argument("--steps", type=int, default=15, help="--jobs: steps of each job")
+    parser.add_argument("--output-dir", default="runs/agent_endpoint",
+                        help="--jobs: a new folder under it holds both runs")
     args = parser.parse_args()
+    if args.jobs:
+        return run_jobs(args.steps, REPO_ROOT / args.output_dir)
 
     from transformers import AutoTokenizer
 

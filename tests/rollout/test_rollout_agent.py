@@ -21,6 +21,7 @@ from torchtitan_rl.rollout import (
     rollout_group_to_training_samples,
 )
 from torchtitan_rl.rollout.agent_task import AgentTask
+from torchtitan_rl.rollout.metrics import per_turn_reward_parts
 from torchtitan_rl.types import Sampling
 
 AGENTS = "tests.rollout.agent_testlib"
@@ -197,6 +198,9 @@ def test_alphabet_sort_agent_plays_the_message_env_episode_token_for_token() -> 
     assert agent_group.rewards == env_group.rewards and agent_group.rewards[0] == 1.0
     assert [[t.reward for t in r.turns] for r in agent_group.rollouts] == [
         [t.reward for t in r.turns] for r in env_group.rollouts]
+    # per-call rewards are the agent's per-turn figures (validation/turn_<t>/reward, eval)
+    assert per_turn_reward_parts([agent_group]) == {
+        (t, "reward"): values for (t, _), values in per_turn_reward_parts([env_group]).items()}
     assert [[t.prompt_token_ids for t in r.turns] for r in agent_group.rollouts] == [
         [t.prompt_token_ids for t in r.turns] for r in env_group.rollouts]
     assert rollout_group_to_training_samples(agent_group) == rollout_group_to_training_samples(

@@ -226,6 +226,7 @@ class AgentEnv:
                                  f"expected)")
             for turn, value in zip(rollout.turns, values):
                 turn.reward = value
+                turn.reward_parts["reward"] = value  # per-turn metrics, validation, eval
         elif credit == "turn":
             raise ValueError("rollouter.credit = 'turn' needs the agent to return (reward, "
                              "[reward per model call])")
