@@ -17,15 +17,16 @@ stand-in for a generator's time per call, 0 measures the endpoint's overhead alo
 turns/s is the median (figures on 2 shared cores: docs/agents.md, "Overhead"). The lines are
 key=value; the last is ``ratio=<endpoint / in_process>``.
 
-    python bench/agent_endpoint.py --jobs [--steps 15]
+    python bench/agent_endpoint.py --jobs [--steps 15] [--repeats 2]
 
 The same comparison with the real generator: the main job (run_configs/alphabet_sort_cpu.toml)
-and its agent version (run_configs/alphabet_sort_agent.toml), one after the other, ``--steps``
-steps each (no validation, no checkpoints; the warm start is the cached one both share). Same
-seeds and episodes: the two runs generate the same tokens (the bench checks the turn counts and
-the losses agree). turns/s is each run's turns over its ``time/generate_s`` (the first step, a
-warm-up, left out); on this box the controller shares the cores with vLLM, so its extra CPU per
-turn (``rollout/controller_cpu_ms_per_turn``, printed too) slows generation.
+and its agent version (run_configs/alphabet_sort_agent.toml), ``--steps`` steps each (no
+validation, no checkpoints; the cached warm start both share), ``--repeats`` runs a side in ABBA
+order. Same seeds and episodes: the runs generate the same tokens (the bench checks the turns and
+trained tokens of every step, and the losses). turns/s is a run's turns over its
+``time/generate_s`` (the first step, a warm-up, left out), the median of a side's runs. On this
+box the controller shares the cores with vLLM, so its extra CPU per turn
+(``rollout/controller_cpu_ms_per_turn``, printed too) slows generation.
 """
 
 from __future__ import annotations
@@ -113,39 +114,45 @@ JOB_CONFIGS = {"in_process": "run_configs/alphabet_sort_cpu.toml",
                "endpoint": "run_configs/alphabet_sort_agent.toml"}
 
 
-def run_jobs(steps: int, output_dir: pathlib.Path) -> None:
-    """--jobs: both real jobs, ``steps`` steps each; prints a line per side and the ratio."""
+def run_jobs(steps: int, repeats: int, output_dir: pathlib.Path) -> None:
+    """--jobs: both real jobs, ``steps`` steps each, ``repeats`` times in ABBA order (the box's
+    speed drifts between runs); prints a line per run, then the ratio of the medians."""
     output_dir = output_dir / time.strftime("%Y%m%d-%H%M%S")
-    rates: dict[str, float] = {}
-    per_step: dict[str, list[tuple[float, float]]] = {}
-    for side, config in JOB_CONFIGS.items():
-        command = [sys.executable, "-m", "torchtitan_rl.train", "--config", config,
-                   "--output_dir", str(output_dir), "--name", side, "--loop.num_steps", str(steps),
-                   "--validation.num_prompts", "0", "--checkpoint.every_steps", "0"]
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        print(f"running {side}: {' '.join(command[1:])}", flush=True)
-        subprocess.run(command, cwd=REPO_ROOT, env=env, check=True)
-        rows = [json.loads(line) for line in
-                (output_dir / side / "metrics.jsonl").read_text().splitlines()]
-        rows = [r for r in sorted(rows, key=lambda r: r["step"])
-                if r["step"] >= 1 and "rollout/num_rollouts" in r]
-        turns = sum(r["rollout/num_rollouts"] * r["rollout/num_turns"] for r in rows)
-        generate_s = sum(r["time/generate_s"] for r in rows)
-        cpu_ms = statistics.median(r["rollout/controller_cpu_ms_per_turn"] for r in rows)
-        per_step[side] = [(round(r["rollout/num_rollouts"] * r["rollout/num_turns"]),
-                           r["loss/num_valid_tokens"], r["loss/value"]) for r in rows]
-        rates[side] = turns / generate_s
-        print(f"bench=agent_endpoint side={side} via=jobs steps={len(rows)} turns={turns:.0f} "
-              f"generate_s={generate_s:.1f} turns_per_s={rates[side]:.1f} "
-              f"controller_cpu_ms_per_turn={cpu_ms:.2f}", flush=True)
+    rates: dict[str, list[float]] = {side: [] for side in JOB_CONFIGS}
+    per_step: dict[str, list[tuple[float, float, float]]] = {}
+    for repeat in range(repeats):
+        for side in (list(JOB_CONFIGS) if repeat % 2 == 0 else list(JOB_CONFIGS)[::-1]):
+            name = f"{side}_{repeat}"
+            command = [sys.executable, "-m", "torchtitan_rl.train", "--config", JOB_CONFIGS[side],
+                       "--output_dir", str(output_dir), "--name", name,
+                       "--loop.num_steps", str(steps), "--validation.num_prompts", "0",
+                       "--checkpoint.every_steps", "0"]
+            env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+            print(f"running {name}: {' '.join(command[1:])}", flush=True)
+            subprocess.run(command, cwd=REPO_ROOT, env=env, check=True)
+            rows = [json.loads(line) for line in
+                    (output_dir / name / "metrics.jsonl").read_text().splitlines()]
+            rows = [r for r in sorted(rows, key=lambda r: r["step"])
+                    if r["step"] >= 1 and "rollout/num_rollouts" in r]
+            turns = sum(r["rollout/num_rollouts"] * r["rollout/num_turns"] for r in rows)
+            generate_s = sum(r["time/generate_s"] for r in rows)
+            cpu_ms = statistics.median(r["rollout/controller_cpu_ms_per_turn"] for r in rows)
+            per_step[side] = [(round(r["rollout/num_rollouts"] * r["rollout/num_turns"]),
+                               r["loss/num_valid_tokens"], r["loss/value"]) for r in rows]
+            rates[side].append(turns / generate_s)
+            print(f"bench=agent_endpoint side={side} via=jobs steps={len(rows)} turns={turns:.0f} "
+                  f"generate_s={generate_s:.1f} turns_per_s={rates[side][-1]:.1f} "
+                  f"controller_cpu_ms_per_turn={cpu_ms:.2f}", flush=True)
     # Same tokens: the same turns and trained tokens each step, losses equal to float noise.
     ours, theirs = per_step["in_process"], per_step["endpoint"]
     same_tokens = [a[:2] for a in ours] == [b[:2] for b in theirs]
     same_losses = len(ours) == len(theirs) and all(
         math.isclose(a[2], b[2], rel_tol=1e-3, abs_tol=1e-7) for a, b in zip(ours, theirs))
+    medians = {side: statistics.median(values) for side, values in rates.items()}
     print(f"bench=agent_endpoint same_tokens={same_tokens} same_losses={same_losses} "
-          f"run_dir={output_dir}")
-    print(f"ratio={rates['endpoint'] / rates['in_process']:.3f}")
+          f"in_process_turns_per_s={medians['in_process']:.1f} "
+          f"endpoint_turns_per_s={medians['endpoint']:.1f} run_dir={output_dir}")
+    print(f"ratio={medians['endpoint'] / medians['in_process']:.3f}")
 
 
 def main() -> None:
@@ -160,11 +167,13 @@ def main() -> None:
     parser.add_argument("--jobs", action="store_true",
                         help="compare the real main job with its agent version instead")
     parser.add_argument("--steps", type=int, default=15, help="--jobs: steps of each job")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="--jobs: runs of each job, in ABBA order")
     parser.add_argument("--output-dir", default="runs/agent_endpoint",
                         help="--jobs: a new folder under it holds both runs")
     args = parser.parse_args()
     if args.jobs:
-        return run_jobs(args.steps, REPO_ROOT / args.output_dir)
+        return run_jobs(args.steps, args.repeats, REPO_ROOT / args.output_dir)
 
     from transformers import AutoTokenizer
 
