@@ -119,7 +119,7 @@ def run_jobs(steps: int, repeats: int, output_dir: pathlib.Path) -> None:
     speed drifts between runs); prints a line per run, then the ratio of the medians."""
     output_dir = output_dir / time.strftime("%Y%m%d-%H%M%S")
     rates: dict[str, list[float]] = {side: [] for side in JOB_CONFIGS}
-    per_step: dict[str, list[tuple[float, float, float]]] = {}
+    per_step: list[list[tuple[float, float, float]]] = []  # every run's (turns, tokens, loss)
     for repeat in range(repeats):
         for side in (list(JOB_CONFIGS) if repeat % 2 == 0 else list(JOB_CONFIGS)[::-1]):
             name = f"{side}_{repeat}"
@@ -137,17 +137,19 @@ def run_jobs(steps: int, repeats: int, output_dir: pathlib.Path) -> None:
             turns = sum(r["rollout/num_rollouts"] * r["rollout/num_turns"] for r in rows)
             generate_s = sum(r["time/generate_s"] for r in rows)
             cpu_ms = statistics.median(r["rollout/controller_cpu_ms_per_turn"] for r in rows)
-            per_step[side] = [(round(r["rollout/num_rollouts"] * r["rollout/num_turns"]),
-                               r["loss/num_valid_tokens"], r["loss/value"]) for r in rows]
+            per_step.append([(round(r["rollout/num_rollouts"] * r["rollout/num_turns"]),
+                              r["loss/num_valid_tokens"], r["loss/value"]) for r in rows])
             rates[side].append(turns / generate_s)
             print(f"bench=agent_endpoint side={side} via=jobs steps={len(rows)} turns={turns:.0f} "
                   f"generate_s={generate_s:.1f} turns_per_s={rates[side][-1]:.1f} "
                   f"controller_cpu_ms_per_turn={cpu_ms:.2f}", flush=True)
-    # Same tokens: the same turns and trained tokens each step, losses equal to float noise.
-    ours, theirs = per_step["in_process"], per_step["endpoint"]
-    same_tokens = [a[:2] for a in ours] == [b[:2] for b in theirs]
-    same_losses = len(ours) == len(theirs) and all(
-        math.isclose(a[2], b[2], rel_tol=1e-3, abs_tol=1e-7) for a, b in zip(ours, theirs))
+    # Every run the same tokens: the same turns and trained tokens each step, losses equal to
+    # float noise.
+    first = per_step[0]
+    same_tokens = all([a[:2] for a in run] == [b[:2] for b in first] for run in per_step)
+    same_losses = all(len(run) == len(first) and all(
+        math.isclose(a[2], b[2], rel_tol=1e-3, abs_tol=1e-7) for a, b in zip(run, first))
+        for run in per_step)
     medians = {side: statistics.median(values) for side, values in rates.items()}
     print(f"bench=agent_endpoint same_tokens={same_tokens} same_losses={same_losses} "
           f"in_process_turns_per_s={medians['in_process']:.1f} "

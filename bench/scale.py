@@ -15,10 +15,11 @@ metrics line with its own CPU seconds (``time.process_time``: every thread of th
 Monarch's included) and wall clock; steps before ``--warmup-steps`` are skipped.
 
 Per N: controller CPU ms per turn (CPU seconds over the measured steps / the turns they
-generated: rollouts x turns, from metrics.jsonl) and two parts of it, the main thread's (``loop``:
-the event loop running the controller's code) and Monarch's runtime threads' (``monarch``), turns/s sustained (the same turns / the steps'
-``time/generate_s``: with the default synchronous loop, ``--max-staleness 0``, generation runs
-alone, so the trainer's speed on this machine does not bound it), bytes sent by the busiest
+generated: rollouts x turns, from metrics.jsonl) and two parts of it, the main thread's
+(``loop``: the event loop running the controller's code) and Monarch's runtime threads'
+(``monarch``), turns/s sustained (the same turns / the steps' ``time/generate_s``: with the
+default synchronous loop, ``--max-staleness 0``, generation runs alone, so the trainer's speed
+on this machine does not bound it), bytes sent by the busiest
 process per push (``weight_sync/busiest_sender_bytes`` when the push reports it, else
 ``weight_sync/bytes_moved``: the serial push sends everything from trainer rank 0), the
 model's bytes, push wall seconds (``time/sync_s``, median of the measured steps) and the peak
@@ -384,11 +385,12 @@ def cpu_split(results: list[CaseResult]) -> tuple[float, float]:
 
 
 def print_table(results: list[CaseResult]) -> None:
-    print(f"{'N':>3} {'ctl ms/turn':>11} {'loop':>6} {'monarch':>7} {'turns/s':>8} {'turns':>6} {'busiest MB':>10} "
-          f"{'model MB':>9} {'busiest/model':>13} {'push s':>7} {'step s':>7} {'peak GiB':>8}")
+    print(f"{'N':>3} {'ctl ms/turn':>11} {'loop':>6} {'monarch':>7} {'turns/s':>8} {'turns':>6} "
+          f"{'busiest MB':>10} {'model MB':>9} {'busiest/model':>13} {'push s':>7} {'step s':>7} "
+          f"{'peak GiB':>8}")
     for r in results:
-        print(f"{r.num_generators:>3} {r.controller_ms_per_turn:>11.4f} {r.loop_ms_per_turn:>6.3f} "
-              f"{r.monarch_ms_per_turn:>7.3f} {r.turns_per_s:>8.1f} "
+        print(f"{r.num_generators:>3} {r.controller_ms_per_turn:>11.4f} "
+              f"{r.loop_ms_per_turn:>6.3f} {r.monarch_ms_per_turn:>7.3f} {r.turns_per_s:>8.1f} "
               f"{r.num_turns:>6} {r.busiest_sender_bytes / 1e6:>10.1f} {r.model_bytes / 1e6:>9.1f} "
               f"{r.busiest_sender_bytes / r.model_bytes:>13.2f} {r.push_s:>7.2f} "
               f"{r.step_s:>7.2f} {r.peak_rss_gib:>8.1f}")

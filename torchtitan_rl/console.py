@@ -281,9 +281,8 @@ _SILENCED: list[tuple[str, tuple[str, ...]]] = [
 
 
 # HTTP clients that log every request at INFO: the `openai` client an agent task's episodes use
-# (httpx2; 3,782 lines in 15 steps of the agent job, ~6 % of the controller's CPU) and the
-# external-server GenerateFn (httpx). Per-request lines belong at debug level; failures still
-# reach the log as the callers' own errors.
+# (httpx2: a line per generate call) and the external-server GenerateFn (httpx). Per-request
+# lines belong at debug level; failures still reach the log as the callers' own errors.
 _PER_REQUEST_LOGGERS = ("httpx", "httpx2")
 
 
