@@ -44,7 +44,7 @@ def make_outcome(group_size: int, turns: int, first_prompt_tokens: int,
         rollouts.append(rollout)
     group = RolloutGroup(group_id=0, episode={"episode_id": "e0", "names": ["Alice", "Bob"]},
                          rollouts=rollouts)
-    return GroupOutcome(group_id=0, group=group,
+    return GroupOutcome(key=0, group_id=0, group=group,
                         samples=rollout_group_to_training_samples(group), num_routed=[16])
 
 

@@ -40,6 +40,8 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument("--relay-chunk-bytes", type=int, default=None)
     parser.add_argument("--verify", action="store_true", help="verify_weight_push")
     parser.add_argument("--num-workers", type=int, default=0, help="rollouter.num_workers")
+    parser.add_argument("--worker-outcome-interval-s", type=float, default=None,
+                        help="rollouter.worker_outcome_interval_s")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = tiny_job(args.output_dir, args.name, num_steps=args.num_steps,
@@ -48,7 +50,10 @@ def run(argv: list[str] | None = None) -> None:
     config = dataclasses.replace(
         config,
         task=LetterTask.Config(num_prompts=args.num_prompts),
-        rollouter=dataclasses.replace(config.rollouter, num_workers=args.num_workers),
+        rollouter=dataclasses.replace(config.rollouter, num_workers=args.num_workers,
+                                      **({} if args.worker_outcome_interval_s is None else {
+                                          "worker_outcome_interval_s":
+                                              args.worker_outcome_interval_s})),
         checkpoint=dataclasses.replace(config.checkpoint, every_steps=args.checkpoint_every,
                                        resume="must" if args.resume else "never"),
         trainer=dataclasses.replace(

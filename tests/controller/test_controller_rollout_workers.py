@@ -23,7 +23,7 @@ import pytest
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.config.manager import parse_args
 from torchtitan_rl.controller.job import RLJob
-from torchtitan_rl.controller.rollout_worker import GroupOutcome
+from torchtitan_rl.controller.rollout_worker import GroupAssignment, GroupOutcome
 from torchtitan_rl.controller.router import GeneratorRouter
 from torchtitan_rl.controller.worker_pool import (
     RolloutWorkerLostError,
@@ -99,54 +99,134 @@ def test_the_router_tells_every_mirror_each_change_of_its_serving_set():
 
 # ---- fast: the controller's side of a worker call ------------------------------------------------
 class _Endpoint:
-    def __init__(self, reply=None) -> None:
-        self.reply = reply
-        self.calls: list[tuple] = []
+    def __init__(self, run=None) -> None:
+        self.run = run
         self.broadcasts: list[tuple] = []
-
-    def call_one(self, *args):
-        self.calls.append(args)
-        return self.reply(*args)
 
     def broadcast(self, *args) -> None:
         self.broadcasts.append(args)
+        if self.run is not None:
+            self.run(*args)
+
+
+class _Channel:
+    """A reply port and its receiver in this process (what Channel.open gives, without Monarch)."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def send(self, batch) -> None:
+        self.queue.put_nowait(batch)
+
+    async def recv(self):
+        return await self.queue.get()
+
+
+def _open_channel():
+    channel = _Channel()
+    return channel, channel
 
 
 class _Worker:
+    """Each group it is given ends as ``reply(assignment)`` says, sent alone (or never)."""
+
     def __init__(self, reply) -> None:
-        self.run_group = _Endpoint(reply)
+        self.reply = reply
+        self.assigned: list[GroupAssignment] = []
+        self.run_groups = _Endpoint(self._run_groups)
         self.cancel_group = _Endpoint()
+
+    def _run_groups(self, assignments, replies) -> None:
+        for assignment in assignments:
+            self.assigned.append(assignment)
+            asyncio.ensure_future(self._one(assignment, replies))
+
+    async def _one(self, assignment, replies) -> None:
+        replies.send([await self.reply(assignment)])
+
+    @property
+    def group_ids(self) -> list[int]:
+        return [a.group_id for a in self.assigned]
+
+
+def _pool(workers, **kwargs) -> RolloutWorkerPool:
+    return RolloutWorkerPool(workers, open_channel=_open_channel, **kwargs)
 
 
 def test_a_lost_outcome_is_generator_lost_and_a_cancelled_call_cancels_the_group_there():
     release = asyncio.Event()
 
-    async def reply(group_id, prompt_index, group_size, sampling, attempt):
-        if group_id == 7:
+    async def reply(a: GroupAssignment) -> GroupOutcome:
+        if a.group_id == 7:
             await release.wait()
-        return GroupOutcome(group_id=group_id, group=None, lost_reason="generator_0 was lost",
-                            num_routed=[3])
+        return GroupOutcome(key=a.key, group_id=a.group_id, group=None,
+                            lost_reason="generator_0 was lost", num_routed=[3])
 
     workers = [_Worker(reply), _Worker(reply)]
-    pool = RolloutWorkerPool([(None, w) for w in workers], num_generators=1)
+    pool = _pool([(None, w) for w in workers], num_generators=1)
 
     async def go() -> None:
         with pytest.raises(GeneratorLostError, match="generator_0 was lost"):
             await pool.run_group(1, 5, 4, Sampling(), attempt=0)
         waiting = asyncio.create_task(pool.run_group(7, 2, 4, Sampling(), attempt=1))
-        await asyncio.sleep(0.01)
+        while not workers[1].assigned:
+            await asyncio.sleep(0)
         assert pool.assigner.in_flight == [0, 1]  # worker 0 had its turn already
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
 
     asyncio.run(asyncio.wait_for(go(), 10))
-    assert workers[0].run_group.calls[0][:2] == (1, 5)
-    assert workers[1].cancel_group.broadcasts == [(7,)]  # the worker stops generating for it
+    first, = workers[0].assigned
+    assert (first.group_id, first.prompt_index, first.attempt) == (1, 5, 0)
+    sent, = workers[1].assigned
+    assert workers[1].cancel_group.broadcasts == [(sent.key,)]  # it stops generating for it
     assert workers[0].cancel_group.broadcasts == []
     assert pool.assigner.in_flight == [0, 0] and pool.busy_clock.num_open == 0
     assert pool.metrics([2]) == {"router/generator_0/num_routed": 5.0,  # 2 here + 3 there
-                                 "rollout/workers_replaced": 0.0}
+                                 "rollout/workers_replaced": 0.0,
+                                 "rollout/worker_group_messages": 2.0,
+                                 "rollout/worker_outcome_messages": 1.0}
+
+
+def test_groups_assigned_in_one_loop_turn_leave_in_one_message_and_come_back_in_one():
+    release = asyncio.Event()
+    batches: list[list[GroupAssignment]] = []
+
+    class _BatchingWorker(_Worker):
+        def _run_groups(self, assignments, replies) -> None:
+            batches.append(list(assignments))
+            asyncio.ensure_future(self._all(assignments, replies))
+
+        async def _all(self, assignments, replies) -> None:
+            await release.wait()  # the worker sends its groups finished together as one batch
+            replies.send([GroupOutcome(key=a.key, group_id=a.group_id, group=None)
+                          if a.group_id != 2 else
+                          GroupOutcome(key=a.key, group_id=2, group=None,
+                                       error=ValueError("the env of group 2 raised"))
+                          for a in assignments])
+
+    worker = _BatchingWorker(None)
+    pool = _pool([(None, worker)], num_generators=1)
+
+    async def go() -> list:
+        calls = [asyncio.ensure_future(pool.run_group(g, g, 4, Sampling())) for g in range(4)]
+        late = asyncio.ensure_future(pool.run_group(9, 9, 4, Sampling()))
+        calls[3].cancel()  # given up before it left: it never leaves
+        while not batches:
+            await asyncio.sleep(0)
+        release.set()
+        return await asyncio.gather(*calls, late, return_exceptions=True)
+
+    results = asyncio.run(asyncio.wait_for(go(), 10))
+    assert [[a.group_id for a in batch] for batch in batches] == [[0, 1, 2, 9]]
+    assert len({a.key for a in batches[0]}) == 4
+    assert [r.group_id for r in (results[0], results[1], results[4])] == [0, 1, 9]
+    assert isinstance(results[2], ValueError) and "group 2 raised" in str(results[2])
+    assert isinstance(results[3], asyncio.CancelledError)
+    assert worker.cancel_group.broadcasts == []
+    assert pool.messages.num_sent == 1 and pool.messages.num_received == 1
+    assert pool.assigner.in_flight == [0] and pool.busy_clock.num_open == 0
 
 
 class _ReplaceableWorker(_Worker):
@@ -164,13 +244,13 @@ class _Procs:
 
 
 def test_a_lost_worker_fails_its_groups_takes_none_and_its_replacement_learns_the_router():
-    hang = asyncio.Event()  # never set: a call to a SIGKILLed actor may never return
+    hang = asyncio.Event()  # never set: a SIGKILLed actor never replies
 
-    async def never(*args):
+    async def never(a):
         await hang.wait()
 
-    async def finish(group_id, *args):
-        return GroupOutcome(group_id=group_id, group=None, num_routed=[1, 0])
+    async def finish(a):
+        return GroupOutcome(key=a.key, group_id=a.group_id, group=None, num_routed=[1, 0])
 
     lost_worker, other = _ReplaceableWorker(never), _ReplaceableWorker(finish)
     replacement = _ReplaceableWorker(finish)
@@ -183,14 +263,15 @@ def test_a_lost_worker_fails_its_groups_takes_none_and_its_replacement_learns_th
         return _Procs(), replacement
 
     old_procs = _Procs()
-    pool = RolloutWorkerPool([(old_procs, lost_worker), (_Procs(), other)], num_generators=2,
-                             respawn=respawn)
+    pool = _pool([(old_procs, lost_worker), (_Procs(), other)], num_generators=2,
+                 respawn=respawn)
     pool.take_out(1, "SIGKILL")  # generator 1 is out when the replacement starts
     pool.set_syncing([0], True)  # and generator 0 pulls weights
 
     async def go() -> None:
         stuck = asyncio.create_task(pool.run_group(3, 0, 4, Sampling()))  # to worker 0
-        await asyncio.sleep(0.01)
+        while not lost_worker.assigned:
+            await asyncio.sleep(0)
         assert pool.index_of_mesh("rollout_worker_0-a1b2") == 0
         pool.mark_lost(0, "SIGKILL")
         pool.mark_lost(0, "SIGKILL (the proc mesh's report)")  # once
@@ -204,8 +285,8 @@ def test_a_lost_worker_fails_its_groups_takes_none_and_its_replacement_learns_th
 
     asyncio.run(asyncio.wait_for(go(), 10))
     assert respawned == [(0, "rollout_worker_0_r1")]
-    assert [c[0] for c in other.run_group.calls] == [4]
-    assert [c[0] for c in replacement.run_group.calls] == [5]
+    assert other.group_ids == [4]
+    assert replacement.group_ids == [5]
     assert replacement.take_out.broadcasts == [(1, "lost before this worker started")]
     assert replacement.set_syncing.broadcasts == [([0], True)]
     assert old_procs.stopped == 1
@@ -215,8 +296,8 @@ def test_a_lost_worker_fails_its_groups_takes_none_and_its_replacement_learns_th
 
 
 def test_a_worker_lost_before_any_group_is_replaced_and_serves():
-    async def finish(group_id, *args):
-        return GroupOutcome(group_id=group_id, group=None, num_routed=[0])
+    async def finish(a):
+        return GroupOutcome(key=a.key, group_id=a.group_id, group=None, num_routed=[0])
 
     replacement = _ReplaceableWorker(finish)
 
@@ -224,14 +305,14 @@ def test_a_worker_lost_before_any_group_is_replaced_and_serves():
         return _Procs(), replacement
 
     async def go() -> None:
-        pool = RolloutWorkerPool([(_Procs(), _ReplaceableWorker(finish))], num_generators=1,
-                                 respawn=respawn)
+        pool = _pool([(_Procs(), _ReplaceableWorker(finish))], num_generators=1,
+                     respawn=respawn)
         pool.mark_lost(0, "SIGKILL")  # before any group: the pool has not waited yet
         await asyncio.gather(*pool._replacements)  # the replacement is in before the group
         assert (await pool.run_group(1, 0, 4, Sampling())).group_id == 1
 
     asyncio.run(asyncio.wait_for(go(), 10))
-    assert [c[0] for c in replacement.run_group.calls] == [1]
+    assert replacement.group_ids == [1]
 
 
 def test_an_agent_task_with_workers_needs_a_free_port_each_naming_the_key(tiny_model_dir):
@@ -264,10 +345,16 @@ def _trained(run_dir: pathlib.Path) -> list[dict]:
 @pytest.mark.slow
 def test_workers_on_a_simulated_host_train_the_groups_and_losses_of_a_job_without(tmp_path):
     without = _run_job(tmp_path, "in_controller")
-    with_workers = _run_job(tmp_path, "workers", "--placement", "process", "--num-workers", "2")
+    # Outcomes held until a worker has no group left running: one message each way per worker
+    # and step (S = 0 gives all of a step's groups in one event-loop turn).
+    with_workers = _run_job(tmp_path, "workers", "--placement", "process", "--num-workers", "2",
+                            "--worker-outcome-interval-s", "1e9")
     # S = 0 and one seed: which process runs a rollout must change nothing but the wires.
     assert _trained(with_workers) == _trained(without)
     expected, got = read_metrics(without), read_metrics(with_workers)
+    messages = [(got[step]["rollout/worker_group_messages"],
+                 got[step]["rollout/worker_outcome_messages"]) for step in range(3)]
+    assert messages == [(2.0, 2.0), (4.0, 4.0), (6.0, 6.0)]
     for step in range(3):
         for key in ("loss/value", "trainer/grad_norm", "rollout_reward/mean",
                     "loss/num_valid_tokens", "router/generator_0/num_routed"):

@@ -4,15 +4,18 @@ the controller's CPU does per group what it used to do per turn.
     controller -spawn(RolloutWorkerSpec, [GeneratorRef])-> worker: task, tokenizer, Rollouter,
         one borrowed GeneratorHandle per generator (no procs: the pool owns the meshes), its
         own GeneratorRouter over them (ResumingGenerateFn around it with partial rollouts)
-    controller -run_group(group_id, prompt_index, group_size, sampling, attempt)-> worker:
-        task.dataset("train")[prompt_index] -> Rollouter.run_group_rollouts (env steps, chat
-        template, tokenizing; each turn GenerateRequest -submit-> generator -> Completion)
-        -> GroupOutcome(packed TrainingSamples, the RolloutGroup) -> controller
+    controller -run_groups([GroupAssignment], replies port)-> worker (one-way; the groups the
+        controller assigned it in one event-loop turn): per group, task.dataset("train")[prompt
+        index] -> Rollouter.run_group_rollouts (env steps, chat template, tokenizing; each turn
+        GenerateRequest -submit-> generator -> Completion) -> GroupOutcome(packed
+        TrainingSamples, the RolloutGroup) -> replies: the worker's finished groups in one
+        message (at once when none is left running here, else within
+        rollouter.worker_outcome_interval_s) -> controller
         (a generator lost under it: GroupOutcome.lost_reason; the controller raises
-        GeneratorLostError and restarts the group whole)
+        GeneratorLostError and restarts the group whole; the group's own error: .error)
     controller router -set_syncing / take_out / put_back(GeneratorRef)-> every worker's router
         (RouterMirror, controller/router.py): pushes, losses and replacements route alike here
-    controller -cancel_group(group_id)-> worker (the controller gave the group up)
+    controller -cancel_group(key)-> worker (the controller gave the group up: no outcome)
     controller -close()-> worker; then its proc is stopped
 
 Invariants: a worker never stops or closes a generator (it only borrows handles); every request
@@ -24,11 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any
 
-from monarch.actor import Actor, concurrent_endpoint
+from monarch.actor import Actor, Port, concurrent_endpoint
 
 from torchtitan_rl.console import configure_process_logging
 from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
@@ -71,16 +75,33 @@ class GeneratorRef:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
+class GroupAssignment:
+    """A group the controller gives a worker: ``key`` names this call of it (a group id can be
+    given again: restarted, or after a trainer restore), the rest says what to roll out."""
+
+    key: int
+    group_id: int
+    prompt_index: int
+    group_size: int
+    sampling: Sampling
+    attempt: int = 0
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
 class GroupOutcome:
     """A finished group as the controller needs it (plain data)."""
 
+    key: int
+    """The GroupAssignment's."""
     group_id: int
     group: RolloutGroup | None
-    """None when the group lost its generator."""
+    """None when the group lost its generator or failed."""
     samples: list[TrainingSample] = dataclasses.field(default_factory=list)
     """rollout_group_to_training_samples(group), packed here rather than in the controller."""
     lost_reason: str | None = None
     """Set when a generator serving the group was lost: the controller restarts it."""
+    error: BaseException | None = None
+    """The group's own error (an environment raised): the controller raises it."""
     num_routed: list[int] = dataclasses.field(default_factory=list)
     """Requests this worker has routed to each generator so far (cumulative, for the
     controller's router metrics)."""
@@ -107,6 +128,9 @@ class RolloutWorker(Actor):
         self.generate_fn: GenerateFn = (ResumingGenerateFn(self.router)
                                         if spec.partial_rollouts else self.router)
         self._groups: dict[int, asyncio.Task[RolloutGroup]] = {}
+        """Groups rolling out here, by the controller's key for them."""
+        self._unsent: list[tuple[Port, GroupOutcome]] = []
+        self._send_timer: asyncio.Handle | None = None
 
     def _borrow(self, ref: GeneratorRef) -> GeneratorHandle:
         return GeneratorHandle(procs=None, actors=ref.actors, config=ref.config, name=ref.name,
@@ -125,47 +149,95 @@ class RolloutWorker(Actor):
         return os.getpid()
 
     @concurrent_endpoint
-    async def run_group(self, group_id: int, prompt_index: int, group_size: int,
-                        sampling: Sampling, attempt: int) -> GroupOutcome:
-        """One group, rolled out, scored and packed; a lost generator is an outcome, not an
-        exception (an exception would arrive as Monarch's ActorError)."""
+    async def run_groups(self, assignments: list[GroupAssignment],
+                         replies: Port[list[GroupOutcome]]) -> None:
+        """Each group rolled out, scored and packed as its own task; finished groups go to
+        ``replies`` together (see _queue_outcome). A lost generator or the group's own error is
+        an outcome, not an exception: the controller sends this one-way."""
+        tasks = []
+        for assignment in assignments:
+            task = asyncio.ensure_future(self._outcome_of(assignment))
+            task.add_done_callback(functools.partial(self._queue_outcome, replies))
+            tasks.append(task)
+        await asyncio.wait(tasks)
+
+    async def _outcome_of(self, assignment: GroupAssignment) -> GroupOutcome | None:
+        """None: the controller cancelled the group (it reads no outcome)."""
+        key, group_id = assignment.key, assignment.group_id
         task = asyncio.ensure_future(self.rollouter.run_group_rollouts(
-            self.generate_fn, self.episodes[prompt_index], group_id, group_size, sampling,
-            attempt=attempt))
-        self._groups[group_id] = task
+            self.generate_fn, self.episodes[assignment.prompt_index], group_id,
+            assignment.group_size, assignment.sampling, attempt=assignment.attempt))
+        self._groups[key] = task
         try:
             group = await task
         except GeneratorLostError as e:
-            return GroupOutcome(group_id=group_id, group=None, lost_reason=str(e),
-                                num_routed=list(self.router.num_routed),
-                                num_resumed=self._num_resumed())
+            return self._outcome(key, group_id, None, lost_reason=str(e))
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
-                raise  # this endpoint itself is cancelled (the worker stops)
-            # cancel_group: the controller gave the group up and reads no reply
-            return GroupOutcome(group_id=group_id, group=None,
-                                lost_reason="cancelled by the controller")
+                raise  # this worker stops
+            return None  # cancel_group
+        except Exception as e:  # the task's own error (an env raised): the run fails with it
+            return self._outcome(key, group_id, None, error=e)
         finally:
-            if self._groups.get(group_id) is task:
-                del self._groups[group_id]
+            if self._groups.get(key) is task:
+                del self._groups[key]
         self.num_finished += 1
         if self.first_of_pool:
             maybe_kill("kill_rollout_worker_after_groups", self.num_finished)
-        return GroupOutcome(group_id=group_id, group=group,
-                            samples=rollout_group_to_training_samples(group),
+        return self._outcome(key, group_id, group)
+
+    def _outcome(self, key: int, group_id: int, group: RolloutGroup | None, *,
+                 lost_reason: str | None = None, error: BaseException | None = None
+                 ) -> GroupOutcome:
+        samples = [] if group is None else rollout_group_to_training_samples(group)
+        return GroupOutcome(key=key, group_id=group_id, group=group, samples=samples,
+                            lost_reason=lost_reason, error=error,
                             num_routed=list(self.router.num_routed),
                             num_resumed=self._num_resumed())
+
+    def _queue_outcome(self, replies: Port[list[GroupOutcome]],
+                       task: asyncio.Task[GroupOutcome | None]) -> None:
+        """Sent at once (end of this event-loop turn) when no other group runs here, else with
+        whatever finishes within ``worker_outcome_interval_s``: one message for many groups."""
+        outcome = None if task.cancelled() else task.result()
+        if outcome is None:
+            return
+        self._unsent.append((replies, outcome))
+        loop = asyncio.get_running_loop()
+        interval = self.spec.rollouter.worker_outcome_interval_s
+        if not self._groups or interval == 0:
+            if self._send_timer is not None:
+                self._send_timer.cancel()
+            self._send_timer = loop.call_soon(self._send_outcomes)
+        elif self._send_timer is None:
+            self._send_timer = loop.call_later(interval, self._send_outcomes)
+
+    def _send_outcomes(self) -> None:
+        unsent, self._unsent, self._send_timer = self._unsent, [], None
+        by_port: dict[str, tuple[Port, list[GroupOutcome]]] = {}
+        for replies, outcome in unsent:
+            # One port per controller link, unpickled into a new object each call: its
+            # reference names it.
+            by_port.setdefault(repr(replies._port_ref), (replies, []))[1].append(outcome)
+        for replies, batch in by_port.values():
+            try:
+                replies.send(batch)
+            except Exception:  # an error that does not pickle still reaches the controller
+                logger.warning("group outcomes did not pickle: errors sent as text", exc_info=True)
+                replies.send([dataclasses.replace(o, error=RuntimeError(
+                    f"{type(o.error).__name__}: {o.error}")) if o.error is not None else o
+                    for o in batch])
 
     def _num_resumed(self) -> int:
         fn = self.generate_fn
         return fn.num_resumed if isinstance(fn, ResumingGenerateFn) else 0
 
     @concurrent_endpoint
-    async def cancel_group(self, group_id: int) -> None:
-        """The controller gave ``group_id`` up (the run stops, the trainer is restored): its
-        requests are aborted (the handles abort cancelled requests)."""
-        task = self._groups.pop(group_id, None)
+    async def cancel_group(self, key: int) -> None:
+        """The controller gave the group sent under ``key`` up (the run stops, the trainer is
+        restored): its requests are aborted (the handles abort cancelled requests)."""
+        task = self._groups.pop(key, None)
         if task is not None:
             task.cancel()
 

@@ -5,9 +5,11 @@ generators, hand each admitted group to the least loaded one, mirror the router 
                 one proc each -> RolloutWorker(spec, [GeneratorRef of every generator])
                 -> ready() (its pid; a worker that cannot build its parts fails the start)
                 -> router.add_mirror(pool): set_syncing / take_out / put_back reach every worker
-    run_group:  WorkerAssigner.acquire() -> worker.run_group(...) -> GroupOutcome
+    run_group:  WorkerAssigner.acquire() -> WorkerLink.run_group: the groups assigned to a
+                worker in one event-loop turn -> worker.run_groups(assignments, reply port),
+                one-way; its finished groups come back in batches on the port -> GroupOutcome
                 (lost_reason set -> GeneratorLostError here, as the in-process path raises it;
-                the caller cancelled -> worker.cancel_group(group_id))
+                the caller cancelled -> worker.cancel_group(key))
     a worker's proc dies -> MeshFailureWatch -> mark_lost(i): its groups raise
                 RolloutWorkerLostError (the loop restarts them whole on the others), no group
                 goes to it, a replacement spawns on its host, learns the router's state
@@ -23,27 +25,30 @@ The controller's busy clock (generator idle ratio) counts a group's call as busy
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
+import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from torchtitan_rl.controller.idle_ratios import BusyClock
+from monarch.actor import Channel
+
 from torchtitan_rl.controller.placement import RunHosts
 from torchtitan_rl.controller.rollout_worker import (
     GeneratorRef,
+    GroupAssignment,
     GroupOutcome,
     RolloutWorker,
     RolloutWorkerSpec,
 )
 from torchtitan_rl.generator import GeneratorHandle, GeneratorLostError
-from torchtitan_rl.generator.launch import is_supervision_error
 from torchtitan_rl.types import GenerateFn, Sampling
 
 logger = logging.getLogger(__name__)
 
 SPAWN_TIMEOUT_S = 600.0
-LOSS_REPORT_WAIT_S = 30.0
-"""How long a failed call waits for Monarch to report its worker's loss."""
 STOP_TIMEOUT_S = 60.0
 
 
@@ -78,14 +83,103 @@ class RolloutWorkerLostError(RuntimeError):
     """A rollout worker's process died under a group: the group restarts whole on another."""
 
 
+def open_monarch_channel() -> tuple[Any, Any]:
+    return Channel[list[GroupOutcome]].open()
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class MessageCounts:
+    num_sent: int = 0
+    """run_groups messages (each carries the groups assigned to a worker in one loop turn)."""
+    num_received: int = 0
+    """Outcome batches (each carries a worker's groups finished together)."""
+
+
+class WorkerLink:
+    """One worker (one incarnation) as the pool calls it: the groups assigned in one
+    event-loop turn leave in one ``run_groups`` message (one-way), outcomes come back in
+    batches on one reply port; ``fail`` ends every group still out there with
+    RolloutWorkerLostError (a SIGKILLed actor never replies, monarch#3435)."""
+
+    def __init__(self, actor: Any, open_channel: Callable[[], tuple[Any, Any]],
+                 on_port_failed: Callable[[str], None], messages: MessageCounts) -> None:
+        self.actor = actor
+        self.messages = messages
+        self._keys = itertools.count()
+        self._waiting: dict[int, asyncio.Future[GroupOutcome]] = {}
+        self._unsent: list[GroupAssignment] = []
+        self._lost_reason: str | None = None
+        self._replies, receiver = open_channel()
+        self._on_port_failed = on_port_failed
+        self._receiving = asyncio.ensure_future(self._receive(receiver))
+
+    def run_group(self, group_id: int, prompt_index: int, group_size: int, sampling: Sampling,
+                  attempt: int) -> asyncio.Future[GroupOutcome]:
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[GroupOutcome] = loop.create_future()
+        if self._lost_reason is not None:
+            result.set_exception(RolloutWorkerLostError(self._lost_reason))
+            return result
+        key = next(self._keys)
+        self._waiting[key] = result
+        if not self._unsent:
+            loop.call_soon(self._send_unsent)
+        assignment = GroupAssignment(key=key, group_id=group_id, prompt_index=prompt_index,
+                                     group_size=group_size, sampling=sampling, attempt=attempt)
+        self._unsent.append(assignment)
+
+        def forget(done: asyncio.Future[GroupOutcome]) -> None:
+            self._waiting.pop(key, None)
+            # The caller gave the group up: not sent yet, it never leaves; sent, the worker
+            # stops generating for it (the cancel goes after its run_groups message).
+            if done.cancelled() and self._lost_reason is None:
+                if assignment in self._unsent:
+                    self._unsent.remove(assignment)
+                else:
+                    self.actor.cancel_group.broadcast(key)
+
+        result.add_done_callback(forget)
+        return result
+
+    def _send_unsent(self) -> None:
+        batch, self._unsent = self._unsent, []
+        if batch and self._lost_reason is None:
+            self.actor.run_groups.broadcast(batch, self._replies)
+            self.messages.num_sent += 1
+
+    async def _receive(self, receiver: Any) -> None:
+        try:
+            while True:
+                batch = await receiver.recv()
+                self.messages.num_received += 1
+                for outcome in batch:
+                    waiting = self._waiting.pop(outcome.key, None)
+                    if waiting is not None and not waiting.done():
+                        waiting.set_result(outcome)
+        except Exception as e:  # no outcome can reach the pool any more: never hang its groups
+            self._on_port_failed(f"its reply port failed: {type(e).__name__}: {e}")
+
+    def fail(self, reason: str) -> None:
+        """The worker is lost: every group out there (and any later) raises."""
+        if self._lost_reason is not None:
+            return
+        self._lost_reason = reason
+        self._receiving.cancel()
+        for future in list(self._waiting.values()):
+            if not future.done():
+                future.set_exception(RolloutWorkerLostError(reason))
+
+
 class RolloutWorkerPool:
     def __init__(self, workers: list[tuple[Any, Any]], *, num_generators: int,
                  busy_clock: BusyClock | None = None,
                  respawn: Callable[[int, str], Awaitable[tuple[Any, Any]]] | None = None,
-                 on_fatal: Callable[[str], None] | None = None) -> None:
+                 on_fatal: Callable[[str], None] | None = None,
+                 open_channel: Callable[[], tuple[Any, Any]] = open_monarch_channel) -> None:
         """``workers``: (proc mesh, RolloutWorker actor mesh) each, spawned as
         ``rollout_worker_<i>``; ``respawn(i, name)``: a replacement for worker ``i`` (None: a
-        lost worker fails the run through ``on_fatal``)."""
+        lost worker fails the run through ``on_fatal``); ``open_channel``: a (port, receiver)
+        pair for a worker's outcomes."""
         self.workers = workers
         self.assigner = WorkerAssigner(len(workers))
         self.busy_clock = busy_clock or BusyClock()
@@ -99,8 +193,10 @@ class RolloutWorkerPool:
         """Each worker's current spawn name (Monarch names its mesh ``<name>-<id>``)."""
         self.retired_names: set[str] = set()
         self.num_replaced = 0
-        self._lost: list[asyncio.Future[str] | None] = [None] * len(workers)
-        """Resolved with the reason when worker i (this incarnation) is lost."""
+        self._open_channel = open_channel
+        self.messages = MessageCounts()
+        self._links: list[WorkerLink | None] = [None] * len(workers)
+        """How each worker (this incarnation) is called; made on first use."""
         self._changed: asyncio.Condition | None = None
         self._replacements: set[asyncio.Task[None]] = set()
         # The router's state a replacement must start from (RouterMirror below).
@@ -146,42 +242,30 @@ class RolloutWorkerPool:
                         sampling: Sampling, *, attempt: int = 0) -> GroupOutcome:
         """Group ``group_id`` rolled out by a worker. Raises GeneratorLostError when a
         generator serving it was lost, RolloutWorkerLostError when the worker was (restart it
-        whole, as in the controller)."""
+        whole, as in the controller), the group's own error when it failed."""
         index = await self._acquire()
-        actor, lost = self.workers[index][1], self._lost_future(index)
         self.busy_clock.enter()
-        call = asyncio.ensure_future(actor.run_group.call_one(
-            group_id, prompt_index, group_size, sampling, attempt))
         try:
-            # A call to a SIGKILLed actor may never return (monarch#3435): the loss ends it.
-            await asyncio.wait({call, lost}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            call.cancel()
-            if not lost.done():
-                actor.cancel_group.broadcast(group_id)  # else it generates for nobody
-            raise
+            outcome = await self._link(index).run_group(group_id, prompt_index, group_size,
+                                                        sampling, attempt)
         finally:
             self.busy_clock.exit()
             self.assigner.release(index)
-        if not call.done():
-            call.cancel()
-            raise RolloutWorkerLostError(f"rollout worker {index} was lost: {lost.result()}")
-        try:
-            outcome: GroupOutcome = call.result()
-        except Exception as e:
-            if not is_supervision_error(e):
-                raise  # the worker's own error (its endpoint raised): the run fails with it
-            # The call can fail before Monarch's supervision names the dead mesh: wait for it.
-            await asyncio.wait({lost}, timeout=LOSS_REPORT_WAIT_S)
-            if lost.done():
-                raise RolloutWorkerLostError(
-                    f"rollout worker {index} was lost: {lost.result()}") from e
-            raise
         self._num_routed[index] = outcome.num_routed
         self._num_resumed[index] = outcome.num_resumed
+        if outcome.error is not None:
+            raise outcome.error
         if outcome.lost_reason is not None:
             raise GeneratorLostError(outcome.lost_reason)
         return outcome
+
+    def _link(self, index: int) -> WorkerLink:
+        link = self._links[index]
+        if link is None:  # made in the event loop, on first use
+            link = self._links[index] = WorkerLink(
+                self.workers[index][1], self._open_channel,
+                on_port_failed=functools.partial(self.mark_lost, index), messages=self.messages)
+        return link
 
     async def _acquire(self) -> int:
         async with self._workers_changed():
@@ -194,12 +278,6 @@ class RolloutWorkerPool:
         if self._changed is None:
             self._changed = asyncio.Condition()
         return self._changed
-
-    def _lost_future(self, index: int) -> asyncio.Future[str]:
-        lost = self._lost[index]
-        if lost is None:
-            lost = self._lost[index] = asyncio.get_running_loop().create_future()
-        return lost
 
     # ---- losses (controller/supervision.py's MeshFailureWatch calls these) ---------------------
     def index_of_mesh(self, mesh_name: str) -> int | None:
@@ -218,9 +296,9 @@ class RolloutWorkerPool:
         logger.warning("rollout worker %d lost: %s", index, reason)
         self.assigner.down.add(index)
         self.retired_names.add(self.names[index])
-        lost = self._lost_future(index)
-        if not lost.done():
-            lost.set_result(reason)
+        link = self._links[index]
+        if link is not None:
+            link.fail(f"rollout worker {index} was lost: {reason}")
         if self._respawn is None:
             if self._on_fatal is not None:
                 self._on_fatal(f"rollout worker {index} was lost: {reason}")
@@ -250,7 +328,7 @@ class RolloutWorkerPool:
             actor.set_syncing.broadcast(sorted(self._syncing), True)
         self.workers[index] = (procs, actor)
         self.names[index] = name
-        self._lost[index] = None
+        self._links[index] = None
         self.assigner.down.discard(index)
         logger.info("rollout worker %d replaced (%s)", index, name)
         async with self._workers_changed():
@@ -288,11 +366,16 @@ class RolloutWorkerPool:
             metrics["generator/num_resumed_requests"] = float(
                 controller_resumed + sum(self._num_resumed))
         metrics["rollout/workers_replaced"] = float(self.num_replaced)
+        metrics["rollout/worker_group_messages"] = float(self.messages.num_sent)
+        metrics["rollout/worker_outcome_messages"] = float(self.messages.num_received)
         return metrics
 
     async def close(self) -> None:
         for task in list(self._replacements):
             task.cancel()
+        for link in self._links:
+            if link is not None:
+                link.fail("the pool closed")
         await asyncio.gather(*self._replacements, return_exceptions=True)
 
         async def close_one(procs: Any, actor: Any) -> None:
