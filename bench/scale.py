@@ -17,7 +17,9 @@ Monarch's included) and wall clock; steps before ``--warmup-steps`` are skipped.
 Per N: controller CPU ms per turn (CPU seconds over the measured steps / the turns they
 generated: rollouts x turns, from metrics.jsonl) and two parts of it, the main thread's
 (``loop``: the event loop running the controller's code) and Monarch's runtime threads'
-(``monarch``), turns/s sustained (the same turns / the steps' ``time/generate_s``: with the
+(``monarch``; per thread /proc counts 10 ms ticks: few measured steps make these two coarse),
+the controller's CPU per turn while it waits for the groups alone (``rollouts``: the loop's
+``rollout/controller_cpu_ms_per_turn``, median of the steps), turns/s sustained (the same turns / the steps' ``time/generate_s``: with the
 default synchronous loop, ``--max-staleness 0``, generation runs alone, so the trainer's speed
 on this machine does not bound it), bytes sent by the busiest
 process per push (``weight_sync/busiest_sender_bytes`` when the push reports it, else
@@ -75,6 +77,10 @@ class CaseResult:
     """Of controller_ms_per_turn: the controller's main thread (its event loop: the training
     loop, the gate, the pools, the calls' Python side, metrics)."""
     monarch_ms_per_turn: float = 0.0
+    rollouts_ms_per_turn: float = 0.0
+    """The controller's CPU per turn while it waits for a step's groups alone (the loop's
+    ``rollout/controller_cpu_ms_per_turn``, median of the measured steps): the training call,
+    the push and the metrics left out."""
     """Of controller_ms_per_turn: Monarch's runtime threads (``monarch-*``: its tokio workers)."""
 
 
@@ -165,8 +171,8 @@ def run_case(args: argparse.Namespace, n: int) -> None:
 
     def stamped(self, step: int, metrics: dict[str, float]) -> None:
         # The controller's own CPU and wall clock at the end of each step (after its push);
-        # per thread only where the measured window starts and ends (/proc costs ~0.1 ms a
-        # thread), the reading itself outside the window.
+        # per thread (from /proc) only where the measured window starts and ends, the reading
+        # itself outside the window.
         stamp = {"bench/wall_s": time.perf_counter()}
         if step in window_ends:
             if step == window_ends[1]:
@@ -214,6 +220,8 @@ def figures(n: int, steps: list[dict], warmup_steps: int,
         num_generators=n, controller_ms_per_turn=1e3 * cpu_s / max(turns, 1),
         loop_ms_per_turn=1e3 * loop_s / max(turns, 1),
         monarch_ms_per_turn=1e3 * monarch_s / max(turns, 1),
+        rollouts_ms_per_turn=statistics.median(
+            s.get("rollout/controller_cpu_ms_per_turn", 0.0) for s in measured),
         turns_per_s=turns / generate_s, num_turns=turns, num_steps=len(measured),
         busiest_sender_bytes=mean("weight_sync/busiest_sender_bytes", "weight_sync/bytes_moved"),
         model_bytes=mean("weight_sync/model_bytes", "weight_sync/bytes"),
@@ -394,12 +402,14 @@ def cpu_split(results: list[CaseResult]) -> tuple[float, float]:
 
 
 def print_table(results: list[CaseResult]) -> None:
-    print(f"{'N':>3} {'ctl ms/turn':>11} {'loop':>6} {'monarch':>7} {'turns/s':>8} {'turns':>6} "
+    print(f"{'N':>3} {'ctl ms/turn':>11} {'loop':>6} {'monarch':>7} {'rollouts':>8} "
+          f"{'turns/s':>8} {'turns':>6} "
           f"{'busiest MB':>10} {'model MB':>9} {'busiest/model':>13} {'push s':>7} {'step s':>7} "
           f"{'peak GiB':>8}")
     for r in results:
         print(f"{r.num_generators:>3} {r.controller_ms_per_turn:>11.4f} "
-              f"{r.loop_ms_per_turn:>6.3f} {r.monarch_ms_per_turn:>7.3f} {r.turns_per_s:>8.1f} "
+              f"{r.loop_ms_per_turn:>6.3f} {r.monarch_ms_per_turn:>7.3f} "
+              f"{r.rollouts_ms_per_turn:>8.3f} {r.turns_per_s:>8.1f} "
               f"{r.num_turns:>6} {r.busiest_sender_bytes / 1e6:>10.1f} {r.model_bytes / 1e6:>9.1f} "
               f"{r.busiest_sender_bytes / r.model_bytes:>13.2f} {r.push_s:>7.2f} "
               f"{r.step_s:>7.2f} {r.peak_rss_gib:>8.1f}")

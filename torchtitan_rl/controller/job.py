@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import logging
 import pathlib
@@ -223,6 +224,11 @@ class RLJob(Configurable):
             watch.attach(parts.generators, parts.workers)
             if isinstance(parts.trainer, MonarchTrainerClient) and plan.trainer.max_restarts:
                 watch.watch_trainer(parts.trainer.mesh_name)  # torchrun owns its ranks: not here
+            # The start-up heap (torch, transformers, Monarch: ~0.5 M objects) lives as long as
+            # the run, and every full collection scanned it: with rollout workers that was half
+            # the controller's CPU (bench/scale.py). Frozen, collections see what the run makes
+            # (vLLM's engine does the same); unfrozen after, for callers that go on.
+            gc.freeze()
             try:
                 try:
                     while True:
@@ -245,6 +251,7 @@ class RLJob(Configurable):
                         restored_from.append(state.step)
                 finally:
                     await parts.close()
+                    gc.unfreeze()
             except RunFailedError as e:
                 if watch.failures:  # summarised after the close: every failure is in by now
                     raise RunFailedError(watch.summary()) from e

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import gc
 import logging
 import os
 from typing import Any
@@ -127,6 +128,7 @@ class RolloutWorker(Actor):
         self.router: GeneratorRouter = spec.router.build(generators=list(self.handles))
         self.generate_fn: GenerateFn = (ResumingGenerateFn(self.router)
                                         if spec.partial_rollouts else self.router)
+        gc.freeze()  # its start-up heap lives as long as it does: keep it out of collections
         self._groups: dict[int, asyncio.Task[RolloutGroup]] = {}
         """Groups rolling out here, by the controller's key for them."""
         self._unsent: list[tuple[Port, GroupOutcome]] = []
