@@ -1,5 +1,6 @@
-"""The controller's CPU per turn when rollout workers run the groups: one Monarch call per group
-and the unpickling of its reply (the RolloutGroup, shipped whole, and its packed samples).
+"""What one Monarch message carrying a rollout group costs the controller: the call and the
+unpickling of its reply (the RolloutGroup, shipped whole, and its packed samples). The worker pool
+sends many groups a message each way (controller/worker_pool.py); this is the unit it amortises.
 
     python bench/rollout_worker_cpu.py [--groups 64] [--concurrency 16] [--turns 2]
 

@@ -14,26 +14,25 @@ training on ``--model-size`` and the real push after every step. The child stamp
 metrics line with its own CPU seconds (``time.process_time``: every thread of the controller,
 Monarch's included) and wall clock; steps before ``--warmup-steps`` are skipped.
 
-Per N: controller CPU ms per turn (CPU seconds over the measured steps / the turns they
-generated: rollouts x turns, from metrics.jsonl) and two parts of it, the main thread's
-(``loop``: the event loop running the controller's code) and Monarch's runtime threads'
-(``monarch``; per thread /proc counts 10 ms ticks: few measured steps make these two coarse),
-the controller's CPU per turn while it waits for the groups alone (``rollouts``: the loop's
-``rollout/controller_cpu_ms_per_turn``, median of the steps), turns/s sustained (the same turns / the steps' ``time/generate_s``: with the
-default synchronous loop, ``--max-staleness 0``, generation runs alone, so the trainer's speed
-on this machine does not bound it), bytes sent by the busiest
-process per push (``weight_sync/busiest_sender_bytes`` when the push reports it, else
-``weight_sync/bytes_moved``: the serial push sends everything from trainer rank 0), the
-model's bytes, push wall seconds (``time/sync_s``, median of the measured steps) and the peak
-RSS of the whole job (summed over the child and every process under it, shared library pages
-counted in each, sampled each second); then, over the N, the controller's CPU split into per
-turn and per step (a least-squares line). ``--num-workers`` sets ``rollouter.num_workers``
-(rollout-worker actors) where this code has the field; ``--link-mbps`` sets
-``TORCHTITAN_RL_SIMULATED_LINK_MBPS``, which paces each process's sends to a simulated NIC where
-the relay push reads it (on 2 cores, wall time cannot show network scaling otherwise). Before
-each N the bench estimates the memory it needs from the previous N and stops there (saying so)
-if this machine has not that much available; a failed N stops it too. Each job's console and
-logs go to ``<output-dir>/n<N>/``.
+Per N: controller CPU ms per turn (CPU seconds over the measured steps / the turns they generated:
+rollouts x turns, from metrics.jsonl) and two parts of it, the main thread's (``loop``: the event
+loop running the controller's code) and Monarch's runtime threads' (``monarch``; per thread /proc
+counts 10 ms ticks: few measured steps make these two coarse), the controller's CPU per turn while
+it waits for the groups alone (``rollouts``: the loop's ``rollout/controller_cpu_ms_per_turn``,
+median of the steps), turns/s sustained (the same turns / the steps' ``time/generate_s``: with the
+default synchronous loop, ``--max-staleness 0``, generation runs alone, so the trainer's speed on
+this machine does not bound it), bytes sent by the busiest process per push
+(``weight_sync/busiest_sender_bytes`` when the push reports it, else ``weight_sync/bytes_moved``:
+the serial push sends everything from trainer rank 0), the model's bytes, push wall seconds
+(``time/sync_s``, median of the measured steps) and the peak RSS of the whole job (summed over the
+child and every process under it, shared library pages counted in each, sampled each second); then,
+over the N, the controller's CPU split into per turn and per step (a least-squares line).
+``--num-workers`` sets ``rollouter.num_workers`` (rollout-worker actors) where this code has the
+field; ``--link-mbps`` sets ``TORCHTITAN_RL_SIMULATED_LINK_MBPS``, which paces each process's sends
+to a simulated NIC where the relay push reads it (on 2 cores, wall time cannot show network scaling
+otherwise). Before each N the bench estimates the memory it needs from the previous N and stops
+there (saying so) if this machine has not that much available; a failed N stops it too. Each job's
+console and logs go to ``<output-dir>/n<N>/``.
 
 The last line:
 ``controller_ms_per_turn=<largest N reached> busiest_sender_over_model=<max over N>

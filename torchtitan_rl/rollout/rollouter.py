@@ -103,9 +103,9 @@ class Rollouter(Configurable):
         tokenizing), placed on the generators' hosts (controller/rollout_worker.py). 0: the
         controller runs every turn itself. Default 0: on a 2-core machine one worker made the
         main job's steps ~25 % slower (its process competes with the generator and the trainer
-        for the cores) although it cut the controller's CPU per turn from ~1.5 ms to one call
-        per group (docs/scaling.md, "Rollout workers"); use workers when the generators run on
-        other machines. With an agent task each worker serves its agents' endpoint on a free
+        for the cores) although it cut the controller's CPU per turn from ~1.5 ms to a few
+        messages a step (docs/scaling.md, "Rollout workers"); use workers when the generators
+        run on other machines. With an agent task each worker serves its agents' endpoint on a free
         port (task.port must be 0)."""
         worker_outcome_interval_s: float = 0.1
         """A rollout worker sends its finished groups to the controller together: at once when

@@ -1,0 +1,86 @@
+"""The controller's idle CPU that Monarch's supervision costs: K proc meshes of one proc each
+(how the generators are spawned: one mesh per generator, each replaced alone) against one mesh of
+K procs, both idle.
+
+    python bench/supervision_cpu.py [--meshes 1,4,16] [--poll 1s] [--idle-s 10]
+
+For each K, in a fresh child process (Monarch reads ``HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY``
+once, at start): spawn the procs on this host, one trivial actor each, answer one call, wait
+3 s, then measure the process's CPU (time.process_time: every thread, Monarch's included) over
+``--idle-s`` of doing nothing. ``--poll`` is Monarch's health poll interval; `torchtitan_rl.train`
+sets 1 s (Monarch's default is 10 s) so that a lost generator is noticed soon. Lines are
+key=value; the last one: ``per_mesh_ms_per_poll=<(CPU ms/s at the largest K - at K = 1) x poll
+s / (K - 1), K meshes>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+
+def measure(num_procs: int, one_mesh: bool, idle_s: float) -> float:
+    """Child mode: the idle CPU ms per second with ``num_procs`` procs."""
+    from monarch.actor import Actor, endpoint, this_host
+
+    class Idle(Actor):
+        @endpoint
+        async def ping(self) -> int:
+            return os.getpid()
+
+    async def run() -> float:
+        if one_mesh:
+            meshes = [this_host().spawn_procs(per_host={"procs": num_procs}, name="procs")]
+        else:
+            meshes = [this_host().spawn_procs(per_host={"procs": 1}, name=f"procs_{i}")
+                      for i in range(num_procs)]
+        for i, procs in enumerate(meshes):
+            await procs.spawn(f"idle_{i}", Idle).ping.call()
+        await asyncio.sleep(3.0)  # spawning's own work settles
+        start = time.process_time()
+        await asyncio.sleep(idle_s)
+        cpu_ms_per_s = 1e3 * (time.process_time() - start) / idle_s
+        await asyncio.gather(*(procs.stop() for procs in meshes))
+        return cpu_ms_per_s
+
+    return asyncio.run(run())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--meshes", default="1,4,16", help="comma-separated K, run in order")
+    parser.add_argument("--poll", default="1s", help="HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY")
+    parser.add_argument("--idle-s", type=float, default=10.0)
+    parser.add_argument("--child", nargs=2, metavar=("K", "LAYOUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(measure(int(args.child[0]), args.child[1] == "one_mesh", args.idle_s))
+        return
+    env = {**os.environ, "HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY": args.poll}
+    poll_s = float(args.poll.rstrip("ms")) / (1000 if args.poll.endswith("ms") else 1)
+    counts = [int(k) for k in args.meshes.split(",")]
+    per_mesh: dict[int, float] = {}
+    for k in counts:
+        for layout in ("meshes", "one_mesh"):
+            child = subprocess.run(
+                [sys.executable, __file__, "--child", str(k), layout, "--idle-s", str(args.idle_s)],
+                env=env, capture_output=True, text=True, timeout=300)
+            if child.returncode != 0:
+                raise SystemExit(f"K={k} {layout}: exit {child.returncode}: "
+                                 f"{child.stderr.strip().splitlines()[-1:]}")
+            cpu = float(child.stdout.strip().splitlines()[-1])
+            if layout == "meshes":
+                per_mesh[k] = cpu
+            print(f"procs={k} layout={layout} poll={args.poll} idle_cpu_ms_per_s={cpu:.2f}",
+                  flush=True)
+    k = counts[-1]
+    if k > 1 and 1 in per_mesh:
+        print(f"per_mesh_ms_per_poll={(per_mesh[k] - per_mesh[1]) * poll_s / (k - 1):.2f}")
+
+
+if __name__ == "__main__":
+    main()
