@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import gc
 import logging
 import os
@@ -131,7 +130,9 @@ class RolloutWorker(Actor):
         gc.freeze()  # its start-up heap lives as long as it does: keep it out of collections
         self._groups: dict[int, asyncio.Task[RolloutGroup]] = {}
         """Groups rolling out here, by the controller's key for them."""
-        self._unsent: list[tuple[Port, GroupOutcome]] = []
+        self._replies: Port[list[GroupOutcome]] | None = None
+        """The controller's reply port (one per worker: a replacement is a new worker)."""
+        self._unsent: list[GroupOutcome] = []
         self._send_timer: asyncio.Handle | None = None
 
     def _borrow(self, ref: GeneratorRef) -> GeneratorHandle:
@@ -156,10 +157,11 @@ class RolloutWorker(Actor):
         """Each group rolled out, scored and packed as its own task; finished groups go to
         ``replies`` together (see _queue_outcome). A lost generator or the group's own error is
         an outcome, not an exception: the controller sends this one-way."""
+        self._replies = replies
         tasks = []
         for assignment in assignments:
             task = asyncio.ensure_future(self._outcome_of(assignment))
-            task.add_done_callback(functools.partial(self._queue_outcome, replies))
+            task.add_done_callback(self._queue_outcome)
             tasks.append(task)
         await asyncio.wait(tasks)
 
@@ -198,14 +200,13 @@ class RolloutWorker(Actor):
                             num_routed=list(self.router.num_routed),
                             num_resumed=self._num_resumed())
 
-    def _queue_outcome(self, replies: Port[list[GroupOutcome]],
-                       task: asyncio.Task[GroupOutcome | None]) -> None:
+    def _queue_outcome(self, task: asyncio.Task[GroupOutcome | None]) -> None:
         """Sent at once (end of this event-loop turn) when no other group runs here, else with
         whatever finishes within ``worker_outcome_interval_s``: one message for many groups."""
         outcome = None if task.cancelled() else task.result()
         if outcome is None:
             return
-        self._unsent.append((replies, outcome))
+        self._unsent.append(outcome)
         loop = asyncio.get_running_loop()
         interval = self.spec.rollouter.worker_outcome_interval_s
         if not self._groups or interval == 0:
@@ -216,20 +217,15 @@ class RolloutWorker(Actor):
             self._send_timer = loop.call_later(interval, self._send_outcomes)
 
     def _send_outcomes(self) -> None:
-        unsent, self._unsent, self._send_timer = self._unsent, [], None
-        by_port: dict[str, tuple[Port, list[GroupOutcome]]] = {}
-        for replies, outcome in unsent:
-            # One port per controller link, unpickled into a new object each call: its
-            # reference names it.
-            by_port.setdefault(repr(replies._port_ref), (replies, []))[1].append(outcome)
-        for replies, batch in by_port.values():
-            try:
-                replies.send(batch)
-            except Exception:  # an error that does not pickle still reaches the controller
-                logger.warning("group outcomes did not pickle: errors sent as text", exc_info=True)
-                replies.send([dataclasses.replace(o, error=RuntimeError(
-                    f"{type(o.error).__name__}: {o.error}")) if o.error is not None else o
-                    for o in batch])
+        batch, self._unsent, self._send_timer = self._unsent, [], None
+        assert self._replies is not None, "outcomes come only from run_groups"
+        try:
+            self._replies.send(batch)
+        except Exception:  # an error that does not pickle still reaches the controller
+            logger.warning("group outcomes did not pickle: errors sent as text", exc_info=True)
+            self._replies.send([dataclasses.replace(o, error=RuntimeError(
+                f"{type(o.error).__name__}: {o.error}")) if o.error is not None else o
+                for o in batch])
 
     def _num_resumed(self) -> int:
         fn = self.generate_fn

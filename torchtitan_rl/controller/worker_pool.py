@@ -32,9 +32,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from torchtitan_rl.controller.idle_ratios import BusyClock
 from monarch.actor import Channel
 
+from torchtitan_rl.controller.idle_ratios import BusyClock
 from torchtitan_rl.controller.placement import RunHosts
 from torchtitan_rl.controller.rollout_worker import (
     GeneratorRef,
