@@ -1,6 +1,8 @@
-"""The controller's idle CPU that Monarch's supervision costs: K proc meshes of one proc each
-(how the generators are spawned: one mesh per generator, each replaced alone) against one mesh of
-K procs, both idle.
+"""The controller's idle CPU that Monarch's supervision costs, three layouts of K procs, idle:
+``meshes``, K proc meshes of one proc each (a replacement generator's, or generators with TP > 1:
+a mesh each); ``shared``, one proc mesh of K procs with an actor mesh on each proc (the
+generators' layout, controller/generator_pool.py: one generator is stopped or lost alone);
+``one_mesh``, one proc mesh and one actor mesh over all K.
 
     python bench/supervision_cpu.py [--meshes 1,4,16] [--poll 1s] [--idle-s 10]
 
@@ -10,7 +12,7 @@ once, at start): spawn the procs on this host, one trivial actor each, answer on
 ``--idle-s`` of doing nothing. ``--poll`` is Monarch's health poll interval; `torchtitan_rl.train`
 sets 1 s (Monarch's default is 10 s) so that a lost generator is noticed soon. Lines are
 key=value; the last one: ``per_mesh_ms_per_poll=<(CPU ms/s at the largest K - at K = 1) x poll
-s / (K - 1), K meshes>``.
+s / (K - 1), layout meshes> per_shared_proc_ms_per_poll=<the same, layout shared>``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import sys
 import time
 
 
-def measure(num_procs: int, one_mesh: bool, idle_s: float) -> float:
+def measure(num_procs: int, layout: str, idle_s: float) -> float:
     """Child mode: the idle CPU ms per second with ``num_procs`` procs."""
     from monarch.actor import Actor, endpoint, this_host
 
@@ -33,12 +35,15 @@ def measure(num_procs: int, one_mesh: bool, idle_s: float) -> float:
             return os.getpid()
 
     async def run() -> float:
-        if one_mesh:
-            meshes = [this_host().spawn_procs(per_host={"procs": num_procs}, name="procs")]
-        else:
+        if layout == "meshes":
             meshes = [this_host().spawn_procs(per_host={"procs": 1}, name=f"procs_{i}")
                       for i in range(num_procs)]
-        for i, procs in enumerate(meshes):
+            slices = meshes
+        else:
+            meshes = [this_host().spawn_procs(per_host={"procs": num_procs}, name="procs")]
+            slices = ([meshes[0].slice(procs=slice(i, i + 1)) for i in range(num_procs)]
+                      if layout == "shared" else meshes)
+        for i, procs in enumerate(slices):
             await procs.spawn(f"idle_{i}", Idle).ping.call()
         await asyncio.sleep(3.0)  # spawning's own work settles
         start = time.process_time()
@@ -58,14 +63,14 @@ def main() -> None:
     parser.add_argument("--child", nargs=2, metavar=("K", "LAYOUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(measure(int(args.child[0]), args.child[1] == "one_mesh", args.idle_s))
+        print(measure(int(args.child[0]), args.child[1], args.idle_s))
         return
     env = {**os.environ, "HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY": args.poll}
     poll_s = float(args.poll.rstrip("ms")) / (1000 if args.poll.endswith("ms") else 1)
     counts = [int(k) for k in args.meshes.split(",")]
-    per_mesh: dict[int, float] = {}
+    idle: dict[tuple[int, str], float] = {}
     for k in counts:
-        for layout in ("meshes", "one_mesh"):
+        for layout in ("meshes", "shared", "one_mesh"):
             child = subprocess.run(
                 [sys.executable, __file__, "--child", str(k), layout, "--idle-s", str(args.idle_s)],
                 env=env, capture_output=True, text=True, timeout=300)
@@ -73,13 +78,14 @@ def main() -> None:
                 raise SystemExit(f"K={k} {layout}: exit {child.returncode}: "
                                  f"{child.stderr.strip().splitlines()[-1:]}")
             cpu = float(child.stdout.strip().splitlines()[-1])
-            if layout == "meshes":
-                per_mesh[k] = cpu
+            idle[k, layout] = cpu
             print(f"procs={k} layout={layout} poll={args.poll} idle_cpu_ms_per_s={cpu:.2f}",
                   flush=True)
     k = counts[-1]
-    if k > 1 and 1 in per_mesh:
-        print(f"per_mesh_ms_per_poll={(per_mesh[k] - per_mesh[1]) * poll_s / (k - 1):.2f}")
+    if k > 1 and 1 in counts:
+        print(" ".join(f"per_{name}_ms_per_poll="
+                       f"{(idle[k, layout] - idle[1, layout]) * poll_s / (k - 1):.2f}"
+                       for name, layout in (("mesh", "meshes"), ("shared_proc", "shared"))))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The run's generators: spawned, routed, given new weights, and replaced when one is lost.
 
-    spawn:   plan.generators[i] -> spawn_generator(name="generator_i", host=its placement host)
-             -> GeneratorHandle; its weight transport (shared memory on the trainer's machine,
+    spawn:   one proc mesh over the generators' hosts, one proc a generator (TP 1, hosts filled
+             evenly; else a mesh each) -> plan.generators[i] -> spawn_generator(
+             name="generator_i", its proc, or its placement host) -> GeneratorHandle; its weight transport (shared memory on the trainer's machine,
              else the message; logged once); a GeneratorRouter over them (wrapped in a
              ResumingGenerateFn with partial rollouts) is the GenerateFn the rollouts call
     push_weights(version): generators on the trainer's machine one at a time (the router keeps
@@ -30,8 +31,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
-from monarch.actor import ActorError
+from monarch.actor import ActorError, ProcMesh
 
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.console import short_report
@@ -97,13 +99,17 @@ class GeneratorPool:
         self._spawning_names: set[str] = set()
         self._closing = False
         self._push_reported: set[int] = set()
+        self.shared_procs: ProcMesh | None = None
+        """The first generators' one proc mesh (None: a mesh each); stopped at close."""
 
     async def spawn(self) -> GenerateFn:
         """Spawn every generator; returns the GenerateFn the rollouts call: the router over
         them, behind a ResumingGenerateFn with partial rollouts."""
         try:
-            for index, config in enumerate(self.configs):
-                self.handles.append(await self._spawn(index, f"generator_{index}"))
+            proc_of = self._spawn_shared_procs()
+            for index in range(len(self.configs)):
+                self.handles.append(await self._spawn(
+                    index, f"generator_{index}", procs=proc_of(index) if proc_of else None))
         except BaseException:
             await self.close()
             raise
@@ -113,10 +119,36 @@ class GeneratorPool:
             return self.resuming
         return self.router
 
-    async def _spawn(self, index: int, name: str) -> GeneratorHandle:
-        """Generator ``index`` on its host, with its weight transport chosen."""
+    def _spawn_shared_procs(self) -> Callable[[int], ProcMesh] | None:
+        """One proc mesh for the first generators, generator i its proc i, where they all have
+        TP 1 and fill their hosts evenly; else None (a mesh each). Monarch's health poll costs
+        the controller CPU per mesh (bench/supervision_cpu.py); a proc that dies leaves the
+        others serving, and a replacement gets a mesh of its own on the same host."""
+        num, per_host = len(self.configs), self.hosts.generators_per_host
+        if num < 2 or any(c.tensor_parallel_degree != 1 for c in self.configs):
+            return None
+        if per_host == 0:  # every generator on the one host
+            per_host = num
+        elif num % per_host or len(self.hosts.generators) != num // per_host:
+            return None
+        procs = self.shared_procs = self.hosts.generators.spawn_procs(
+            per_host={"procs": per_host}, name="generators")
+        logger.info("generators: one proc mesh for %d generators on %d host(s)", num,
+                    num // per_host)
+
+        def proc_of(index: int) -> ProcMesh:
+            where: dict[str, Any] = {"procs": slice(index % per_host, index % per_host + 1)}
+            if "hosts" in procs.sizes:  # this_host() has no hosts dimension
+                where["hosts"] = index // per_host
+            return procs.slice(**where)
+
+        return proc_of
+
+    async def _spawn(self, index: int, name: str,
+                     procs: ProcMesh | None = None) -> GeneratorHandle:
+        """Generator ``index`` on ``procs`` or on its host, with its weight transport chosen."""
         handle = await spawn_generator(self.configs[index], name=name,
-                                       host=self.hosts.generator_host(index),
+                                       host=self.hosts.generator_host(index), procs=procs,
                                        on_lost=self._on_handle_lost)
         handle.weight_transport, why = self._transport_for(handle)
         if name == f"generator_{index}":  # once: a replacement lives where its first one did
@@ -293,6 +325,8 @@ class GeneratorPool:
             self.retired_names.add(old.name)
             try:
                 await old.close(timeout_s=STOP_TIMEOUT_S)
+                if old.procs is None:  # a proc of the shared mesh: its actor must not linger
+                    await asyncio.wait_for(old.actors.stop(), STOP_TIMEOUT_S)
             except Exception as e:  # a dead mesh may not stop cleanly: it is gone either way
                 logger.warning("stopping lost %s: %r", old.name, e)
             self._spawning_names.add(name)
@@ -370,6 +404,10 @@ class GeneratorPool:
         results = await asyncio.gather(*self._replacing.values(),
                                        *(h.close(timeout_s=STOP_TIMEOUT_S) for h in self.handles),
                                        return_exceptions=True)
+        if self.shared_procs is not None:  # once its generators have closed
+            results += await asyncio.gather(
+                asyncio.wait_for(self.shared_procs.stop(), STOP_TIMEOUT_S),
+                return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result,
                                                                     asyncio.CancelledError):

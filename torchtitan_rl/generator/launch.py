@@ -59,7 +59,8 @@ class GeneratorHandle:
                  machine_id: str = "",
                  on_lost: Callable[[GeneratorHandle, str], None] | None = None) -> None:
         self.procs = procs
-        """None: a borrowed handle (a rollout worker's): whoever spawned the mesh stops it."""
+        """None: procs owned elsewhere (a rollout worker's borrowed handle; a generator on the
+        pool's one proc mesh): their owner stops them."""
         self.actors = actors
         self.rank0 = actors.slice(procs=0)
         self.config = config
@@ -238,13 +239,20 @@ async def _start_every_rank(actors: Any, tp: int) -> list[int]:
 
 async def spawn_generator(
     config: Generator.Config, *, name: str = "generator", host: HostMesh | None = None,
+    procs: ProcMesh | None = None,
     on_lost: Callable[[GeneratorHandle, str], None] | None = None,
 ) -> GeneratorHandle:
     """Spawn ``config.tensor_parallel_degree`` procs on ``host`` (default: this host), set the
     torch elastic env when TP > 1, spawn one `Generator` per proc and start every rank.
-    ``name`` names the actor mesh; ``on_lost`` hears when the handle finds its generator dead."""
+    ``procs``: a one-proc slice of a mesh the caller owns and stops (TP 1 only), used instead of
+    spawning procs. ``name`` names the actor mesh; ``on_lost`` hears when the handle finds its
+    generator dead."""
     tp = config.tensor_parallel_degree
-    procs = (host or this_host()).spawn_procs(per_host={"procs": tp})
+    owned = procs is None
+    if owned:
+        procs = (host or this_host()).spawn_procs(per_host={"procs": tp})
+    elif tp != 1:
+        raise ValueError(f"{name}: a borrowed proc slice holds TP 1 only, not {tp}")
     try:
         if tp > 1:
             from monarch.spmd import setup_torch_elastic_env_async
@@ -254,9 +262,10 @@ async def spawn_generator(
         pids = await _start_every_rank(actors, tp)
         machine = await actors.slice(procs=0).get_machine_id.call_one()
     except BaseException:
-        await asyncio.wait_for(procs.stop(), 60.0)
+        if owned:
+            await asyncio.wait_for(procs.stop(), 60.0)
         raise
     logger.info("generator %s started (tp=%d, pids %s on %s, model %s)", name, tp,
                 ",".join(map(str, pids)), machine, config.model_dir)
-    return GeneratorHandle(procs=procs, actors=actors, config=config, name=name, pids=pids,
-                           machine_id=machine, on_lost=on_lost)
+    return GeneratorHandle(procs=procs if owned else None, actors=actors, config=config,
+                           name=name, pids=pids, machine_id=machine, on_lost=on_lost)
