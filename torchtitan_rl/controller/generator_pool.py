@@ -2,9 +2,10 @@
 
     spawn:   one proc mesh over the generators' hosts, one proc a generator (TP 1, hosts filled
              evenly; else a mesh each) -> plan.generators[i] -> spawn_generator(
-             name="generator_i", its proc, or its placement host) -> GeneratorHandle; its weight transport (shared memory on the trainer's machine,
-             else the message; logged once); a GeneratorRouter over them (wrapped in a
-             ResumingGenerateFn with partial rollouts) is the GenerateFn the rollouts call
+             name="generator_i", its proc or its placement host) -> GeneratorHandle; its weight
+             transport (shared memory on the trainer's machine, else the message; logged once);
+             a GeneratorRouter over them (wrapped in a ResumingGenerateFn with partial
+             rollouts) is the GenerateFn the rollouts call
     push_weights(version): generators on the trainer's machine one at a time (the router keeps
              new sessions off it): trainer.push_weights(generator, version) (shared memory);
              the others at once: trainer.relay_weights(chain, version, attempt) (every trainer
@@ -19,7 +20,8 @@
              the mesh (supervision.py) -> lost(i):
                router.take_out(i); the handle fails its outstanding calls with GeneratorLostError
                (the loop restarts those groups from their prompts); in a task of its own:
-               stop the dead procs (bounded) -> spawn "generator_i_r<n>" on the same host (a new
+               stop the dead procs (bounded; on the shared mesh, its actor) -> spawn
+               "generator_i_r<n>", a mesh of its own, on the same host (a new
                name: late events of the dead mesh cannot match it) -> push the current policy
                version (verified when verify_weight_push) -> router.put_back(i)
              past generator.max_restarts, or when the replacement fails: the run fails, one line.
