@@ -1,7 +1,7 @@
 """The run's generators: spawned, routed, given new weights, and replaced when one is lost.
 
-    spawn:   one proc mesh over the generators' hosts, one proc a generator (TP 1, hosts filled
-             evenly; else a mesh each) -> plan.generators[i] -> spawn_generator(
+    spawn:   spawn_shared_procs (generator_procs.py: one proc mesh over the generators' hosts,
+             one proc a generator, or a mesh each) -> plan.generators[i] -> spawn_generator(
              name="generator_i", its proc or its placement host) -> GeneratorHandle; its weight
              transport (shared memory on the trainer's machine, else the message; logged once);
              a GeneratorRouter over them (wrapped in a ResumingGenerateFn with partial
@@ -33,12 +33,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from monarch.actor import ActorError, ProcMesh
 
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.console import short_report
+from torchtitan_rl.controller.generator_procs import spawn_shared_procs
 from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
 from torchtitan_rl.controller.placement import RunHosts
 from torchtitan_rl.controller.router import GeneratorRouter
@@ -108,10 +108,12 @@ class GeneratorPool:
         """Spawn every generator; returns the GenerateFn the rollouts call: the router over
         them, behind a ResumingGenerateFn with partial rollouts."""
         try:
-            proc_of = self._spawn_shared_procs()
+            shared = spawn_shared_procs(self.configs, self.hosts)
+            if shared is not None:
+                self.shared_procs, proc_of = shared
             for index in range(len(self.configs)):
                 self.handles.append(await self._spawn(
-                    index, f"generator_{index}", procs=proc_of(index) if proc_of else None))
+                    index, f"generator_{index}", procs=proc_of(index) if shared else None))
         except BaseException:
             await self.close()
             raise
@@ -120,31 +122,6 @@ class GeneratorPool:
             self.resuming = ResumingGenerateFn(self.router)
             return self.resuming
         return self.router
-
-    def _spawn_shared_procs(self) -> Callable[[int], ProcMesh] | None:
-        """One proc mesh for the first generators, generator i its proc i, where they all have
-        TP 1 and fill their hosts evenly; else None (a mesh each). Monarch's health poll costs
-        the controller CPU per mesh (bench/supervision_cpu.py); a proc that dies leaves the
-        others serving, and a replacement gets a mesh of its own on the same host."""
-        num, per_host = len(self.configs), self.hosts.generators_per_host
-        if num < 2 or any(c.tensor_parallel_degree != 1 for c in self.configs):
-            return None
-        if per_host == 0:  # every generator on the one host
-            per_host = num
-        elif num % per_host or len(self.hosts.generators) != num // per_host:
-            return None
-        procs = self.shared_procs = self.hosts.generators.spawn_procs(
-            per_host={"procs": per_host}, name="generators")
-        logger.info("generators: one proc mesh for %d generators on %d host(s)", num,
-                    num // per_host)
-
-        def proc_of(index: int) -> ProcMesh:
-            where: dict[str, Any] = {"procs": slice(index % per_host, index % per_host + 1)}
-            if "hosts" in procs.sizes:  # this_host() has no hosts dimension
-                where["hosts"] = index // per_host
-            return procs.slice(**where)
-
-        return proc_of
 
     async def _spawn(self, index: int, name: str,
                      procs: ProcMesh | None = None) -> GeneratorHandle:
