@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from torchtitan_rl.trainer.loss import MAX_KEYS, SUM_KEYS, GRPOLoss, finalize_loss_metrics
+from torchtitan_rl.trainer.loss import (
+    MAX_KEYS,
+    SUM_KEYS,
+    GRPOLoss,
+    finalize_loss_metrics,
+    token_logprobs_and_entropy,
+)
 
 NAN = float("nan")
 # t0: ratio 2 (A>0, clipped high); t1: ratio 0.625 (A<0, clipped low); t2: ratio 1;
@@ -89,3 +95,20 @@ def test_trainer_loss_config_rejects_out_of_range_values():
         GRPOLoss.Config(clip_low=1.5)
     with pytest.raises(ValueError, match="tis_cap must be >= 1"):
         GRPOLoss.Config(tis_cap=0.5)
+
+
+def test_token_logprobs_and_entropy_from_logits():
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [2.0, 0.0, -1.0, 0.5]]], requires_grad=True)
+    labels = torch.tensor([[3, 0]])
+    logprobs, entropy = token_logprobs_and_entropy(logits, labels)
+    assert logprobs.shape == entropy.shape == (1, 2)
+    # uniform over 4 tokens: each label has logprob -log 4, the entropy is log 4
+    assert logprobs[0, 0].item() == pytest.approx(-math.log(4))
+    assert entropy[0, 0].item() == pytest.approx(math.log(4))
+    expected = torch.log_softmax(logits.detach()[0, 1], dim=-1)
+    assert logprobs[0, 1].item() == pytest.approx(expected[0].item())
+    assert entropy[0, 1].item() == pytest.approx(-(expected.exp() * expected).sum().item())
+    # the logprobs carry the gradient (the loss's input); the entropy is a metric only
+    assert logprobs.requires_grad and not entropy.requires_grad
+    logprobs.sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0

@@ -54,8 +54,8 @@ from torchtitan_rl.controller.lifetime import run_stoppable
 from torchtitan_rl.controller.spawn import SpawnTrainer
 from torchtitan_rl.generator import GeneratorHandle
 from torchtitan_rl.trainer.batcher import Batcher
-from torchtitan_rl.trainer.core import PolicyTrainerCore, _device_type
-from torchtitan_rl.trainer.parallel import init_trainer_distributed
+from torchtitan_rl.trainer.core import PolicyTrainerCore
+from torchtitan_rl.trainer.parallel import init_trainer_distributed, resolve_device_type
 from torchtitan_rl.trainer.trainer import TrainerClient, sender_totals
 from torchtitan_rl.weight_sync.push import WeightPusher
 from torchtitan_rl.weight_sync.relay import LinkPacer, relay_chunks, send_chunks
@@ -126,7 +126,7 @@ class TrainerRank:
     def join(cls, device: str) -> TrainerRank:
         """Join the process group torchrun describes (gloo on CPU, NCCL on GPU), then create
         the gloo command group (a collective: every rank calls this once, first)."""
-        rank, world_size = init_trainer_distributed(_device_type(device))
+        rank, world_size = init_trainer_distributed(resolve_device_type(device))
         group = dist.new_group(backend="gloo", timeout=COMMAND_WAIT) if world_size > 1 else None
         logger.info("torchrun trainer rank %d/%d joined", rank, world_size)
         return cls(rank=rank, world_size=world_size, group=group)

@@ -27,7 +27,6 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torchtitan.distributed import utils as dist_utils
 
@@ -45,12 +44,19 @@ from torchtitan_rl.trainer import checkpoint as ckpt
 from torchtitan_rl.trainer.batch_log import BatchLog
 from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
 from torchtitan_rl.trainer.flops import UtilizationMeter
-from torchtitan_rl.trainer.loss import MAX_KEYS, SUM_KEYS, GRPOLoss, finalize_loss_metrics
+from torchtitan_rl.trainer.loss import (
+    MAX_KEYS,
+    SUM_KEYS,
+    GRPOLoss,
+    finalize_loss_metrics,
+    token_logprobs_and_entropy,
+)
 from torchtitan_rl.trainer.parallel import (
     build_parallel_dims,
     init_trainer_distributed,
     parallelize_model,
     prepare_config_for_parallelism,
+    resolve_device_type,
 )
 from torchtitan_rl.types import TrainingSample
 
@@ -140,7 +146,7 @@ class PolicyTrainerCore(Configurable):
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.model_dir = str(model_dir) if model_dir is not None else None
-        self.device_type = _device_type(config.device)
+        self.device_type = resolve_device_type(config.device)
         self.rank, self.world_size = init_trainer_distributed(self.device_type)
         self.device = torch.device(
             f"cuda:{torch.cuda.current_device()}" if self.device_type == "cuda" else "cpu"
@@ -220,7 +226,7 @@ class PolicyTrainerCore(Configurable):
                                      microbatch=index, data=data)
             with self._autocast():
                 logits = self._logits(data["input_ids"], data["positions"])
-            logprobs, entropy = _logprobs_and_entropy(logits, data["labels"])
+            logprobs, entropy = token_logprobs_and_entropy(logits, data["labels"])
             loss, mb_sums, mb_max = self.loss_fn(
                 logprobs,
                 generator_logprobs=data["generator_logprobs"],
@@ -286,7 +292,7 @@ class PolicyTrainerCore(Configurable):
             with self._autocast():
                 logits = self._logits(data["input_ids"], data["positions"])
             has_target = data["document_ids"] >= 0
-            logprobs, _ = _logprobs_and_entropy(logits, data["labels"])
+            logprobs, _ = token_logprobs_and_entropy(logits, data["labels"])
             logprobs = torch.where(has_target, logprobs, 0.0)
             out[index, self.dp_rank] = logprobs.float().cpu()
         self.model.train()
@@ -392,22 +398,3 @@ class PolicyTrainerCore(Configurable):
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
         return sums.cpu(), maxima.cpu()
-
-
-def _device_type(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device is 'cuda' but torch.cuda.is_available() is False")
-    return device
-
-
-def _logprobs_and_entropy(
-    logits: torch.Tensor, labels: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob of each label (with grad) and the policy's entropy at each position (no grad)."""
-    logp = F.log_softmax(logits.float(), dim=-1)
-    label_logprobs = logp.gather(-1, labels[..., None]).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(-1)
-    return label_logprobs, entropy

@@ -28,6 +28,7 @@ import dataclasses
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from torchtitan_rl.config.configurable import Configurable
 
@@ -184,3 +185,14 @@ def finalize_loss_metrics(
         "loss/num_valid_tokens": sums["num_valid_tokens"],
         "loss/num_nan_generator_logprobs": sums["num_nan_generator_logprobs"],
     }
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of each label (with grad) and the policy's entropy at each position (no grad)."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    label_logprobs = logp.gather(-1, labels[..., None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return label_logprobs, entropy

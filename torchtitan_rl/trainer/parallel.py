@@ -124,3 +124,12 @@ def _sum_fsdp_gradients(model: nn.Module) -> None:
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)  # workaround 3
             module.set_gradient_divide_factor(1.0)
+
+
+def resolve_device_type(device: str) -> str:
+    """``device`` ("auto", "cpu", "cuda") as the device type this process trains on."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device is 'cuda' but torch.cuda.is_available() is False")
+    return device
