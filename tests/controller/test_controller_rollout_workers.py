@@ -382,12 +382,15 @@ def test_a_generator_killed_with_workers_on_is_replaced_and_its_groups_restart(t
 
 
 @pytest.mark.slow
-def test_a_rollout_worker_killed_mid_run_is_replaced_and_its_groups_restart(tmp_path):
-    # One worker: after the kill no group can run until its replacement serves them.
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_a_rollout_worker_killed_mid_run_has_its_groups_restart(tmp_path, num_workers):
+    # One worker: after the kill no group can run until its replacement serves them. Two: they
+    # share one proc mesh (shared_procs.py); worker 0's proc dies alone and worker 1 runs the
+    # restarted groups (the run may end before worker 0's replacement serves).
     num_steps, num_prompts = 4, 8
     proc = subprocess.run(
         [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "lost_worker",
-         str(num_steps), "--num-prompts", str(num_prompts), "--num-workers", "1",
+         str(num_steps), "--num-prompts", str(num_prompts), "--num-workers", str(num_workers),
          "--staleness", "1"],
         cwd=REPO_ROOT, env=env_without_faults("kill_rollout_worker_after_groups:2"),
         capture_output=True, text=True, timeout=900)
@@ -397,9 +400,12 @@ def test_a_rollout_worker_killed_mid_run_is_replaced_and_its_groups_restart(tmp_
     assert_every_group_trained_once(run_dir, num_steps, num_prompts)
     log = proc.stderr
     assert "fault injection: SIGKILL at kill_rollout_worker_after_groups=2" in log
-    assert "rollout worker 0 replaced (rollout_worker_0_r1)" in log, log[-4000:]
+    assert "rollout worker 0 lost: " in log, log[-4000:]
+    assert ("rollout_workers: one proc mesh for 2 on 1 host(s)" in log) == (num_workers == 2)
     last = read_metrics(run_dir)[num_steps - 1]
-    assert last["rollout/workers_replaced"] == 1
+    if num_workers == 1:
+        assert "rollout worker 0 replaced (rollout_worker_0_r1)" in log, log[-4000:]
+        assert last["rollout/workers_replaced"] == 1
     # The group the worker died under (finished there, never replied) restarted whole, and
     # so did any other it held: all 8 trained exactly once above.
     assert last["generator/groups_restarted_after_loss"] >= 1

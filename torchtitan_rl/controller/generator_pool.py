@@ -1,6 +1,6 @@
 """The run's generators: spawned, routed, given new weights, and replaced when one is lost.
 
-    spawn:   spawn_shared_procs (generator_procs.py: one proc mesh over the generators' hosts,
+    spawn:   spawn_generator_procs (shared_procs.py: one proc mesh over the generators' hosts,
              one proc a generator, or a mesh each) -> plan.generators[i] -> spawn_generator(
              name="generator_i", its proc or its placement host) -> GeneratorHandle; its weight
              transport (shared memory on the trainer's machine, else the message; logged once);
@@ -38,7 +38,7 @@ from monarch.actor import ActorError, ProcMesh
 
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.console import short_report
-from torchtitan_rl.controller.generator_procs import spawn_shared_procs
+from torchtitan_rl.controller.shared_procs import spawn_generator_procs
 from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
 from torchtitan_rl.controller.placement import RunHosts
 from torchtitan_rl.controller.router import GeneratorRouter
@@ -108,7 +108,7 @@ class GeneratorPool:
         """Spawn every generator; returns the GenerateFn the rollouts call: the router over
         them, behind a ResumingGenerateFn with partial rollouts."""
         try:
-            shared = spawn_shared_procs(self.configs, self.hosts)
+            shared = spawn_generator_procs(self.configs, self.hosts)
             if shared is not None:
                 self.shared_procs, proc_of = shared
             for index in range(len(self.configs)):

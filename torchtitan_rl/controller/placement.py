@@ -240,10 +240,14 @@ class RunHosts:
     reaper: OrphanReaper | None = None
     """Ends the job's processes if this controller ends without close (controller/lifetime.py)."""
 
+    def generator_host_index(self, index: int) -> int:
+        """The host generator ``index`` runs on, in ``generators`` (0: local placement)."""
+        return index // self.generators_per_host if self.generators_per_host else 0
+
     def generator_host(self, index: int) -> Any:
         if self.generators_per_host == 0:
             return self.generators
-        return self.generators.slice(hosts=index // self.generators_per_host)
+        return self.generators.slice(hosts=self.generator_host_index(index))
 
     async def wait_up(self, what: str, timeout_s: float) -> None:
         for name, mesh in (("trainer", self.trainer), ("generators", self.generators)):

@@ -2,7 +2,8 @@
 generators, hand each admitted group to the least loaded one, mirror the router to them.
 
     spawn:      worker i on hosts.generator_host(i mod num_generators) (this host when local),
-                one proc each -> RolloutWorker(spec, [GeneratorRef of every generator])
+                a proc of one shared mesh (shared_procs.py; else a mesh each, as a replacement
+                gets) -> RolloutWorker(spec, [GeneratorRef of every generator])
                 -> ready() (its pid; a worker that cannot build its parts fails the start)
                 -> router.add_mirror(pool): set_syncing / take_out / put_back reach every worker
     run_group:  WorkerAssigner.acquire() -> WorkerLink.run_group: the groups assigned to a
@@ -14,8 +15,8 @@ generators, hand each admitted group to the least loaded one, mirror the router 
                 RolloutWorkerLostError (the loop restarts them whole on the others), no group
                 goes to it, a replacement spawns on its host, learns the router's state
                 (generators out or syncing) and takes groups again
-    close:      every worker closes (it never closes a generator), then its proc stops;
-                before the generators (RunParts.close)
+    close:      every worker closes (it never closes a generator), then its own mesh (or its
+                actor, then the shared mesh) stops; before the generators (RunParts.close)
 
 The controller's busy clock (generator idle ratio) counts a group's call as busy time, and the
 ``router/generator_i/num_routed`` metrics add the workers' counts to the controller's own
@@ -36,6 +37,7 @@ from monarch.actor import Channel
 
 from torchtitan_rl.controller.idle_ratios import BusyClock
 from torchtitan_rl.controller.placement import RunHosts
+from torchtitan_rl.controller.shared_procs import spawn_shared_procs
 from torchtitan_rl.controller.rollout_worker import (
     GeneratorRef,
     GroupAssignment,
@@ -176,10 +178,10 @@ class RolloutWorkerPool:
                  respawn: Callable[[int, str], Awaitable[tuple[Any, Any]]] | None = None,
                  on_fatal: Callable[[str], None] | None = None,
                  open_channel: Callable[[], tuple[Any, Any]] = open_monarch_channel) -> None:
-        """``workers``: (proc mesh, RolloutWorker actor mesh) each, spawned as
-        ``rollout_worker_<i>``; ``respawn(i, name)``: a replacement for worker ``i`` (None: a
-        lost worker fails the run through ``on_fatal``); ``open_channel``: a (port, receiver)
-        pair for a worker's outcomes."""
+        """``workers``: (what stops it: its proc mesh, or its actor mesh on the shared proc
+        mesh; RolloutWorker actor mesh) each, spawned as ``rollout_worker_<i>``; ``respawn(i,
+        name)``: a replacement for worker ``i`` (None: a lost worker fails the run through
+        ``on_fatal``); ``open_channel``: a (port, receiver) pair for a worker's outcomes."""
         self.workers = workers
         self.assigner = WorkerAssigner(len(workers))
         self.busy_clock = busy_clock or BusyClock()
@@ -194,6 +196,9 @@ class RolloutWorkerPool:
         self.retired_names: set[str] = set()
         self.num_replaced = 0
         self._open_channel = open_channel
+        self.shared_procs: Any = None
+        """The first workers' one proc mesh (shared_procs.py; None: a mesh each); stopped at
+        close, once they have closed."""
         self.messages = MessageCounts()
         self._links: list[WorkerLink | None] = [None] * len(workers)
         """How each worker (this incarnation) is called; made on first use."""
@@ -212,30 +217,41 @@ class RolloutWorkerPool:
         refs = [GeneratorRef.of(handle) for handle in generators]
         pool: RolloutWorkerPool | None = None
 
-        async def respawn(index: int, name: str) -> tuple[Any, Any]:
-            procs = hosts.generator_host(index % len(refs)).spawn_procs(
-                per_host={"procs": 1}, name=name)
+        async def respawn(index: int, name: str, procs: Any = None) -> tuple[Any, Any]:
+            """Worker ``index`` on ``procs`` (a proc of the shared mesh) or a mesh of its own
+            on its generator's host; (what stops it: that mesh, or its actor mesh, actor)."""
+            own_procs = procs is None
+            if own_procs:
+                procs = hosts.generator_host(index % len(refs)).spawn_procs(
+                    per_host={"procs": 1}, name=name)
             current = pool._generators if pool is not None else refs
             actor = procs.spawn(name, RolloutWorker, spec, current, pool is None and index == 0)
+            stops = procs if own_procs else actor
             try:
                 pid = await asyncio.wait_for(actor.ready.call_one(), SPAWN_TIMEOUT_S)
             except BaseException:
-                await asyncio.gather(procs.stop(), return_exceptions=True)
+                await asyncio.gather(stops.stop(), return_exceptions=True)
                 raise
             logger.info("rollout worker %s started (pid %d)", name, pid)
-            return procs, actor
+            return stops, actor
 
+        shared = spawn_shared_procs(
+            hosts, [hosts.generator_host_index(i % len(refs)) for i in range(num_workers)],
+            "rollout_workers")
         results = await asyncio.gather(
-            *(respawn(i, f"rollout_worker_{i}") for i in range(num_workers)),
+            *(respawn(i, f"rollout_worker_{i}", shared[1](i) if shared else None)
+              for i in range(num_workers)),
             return_exceptions=True)
         workers = [r for r in results if not isinstance(r, BaseException)]
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            await asyncio.gather(*(procs.stop() for procs, _ in workers), return_exceptions=True)
+            await asyncio.gather(*(stops.stop() for stops, _ in workers),
+                                 *([shared[0].stop()] if shared else []), return_exceptions=True)
             raise errors[0]
         pool = cls(workers, num_generators=len(refs), busy_clock=busy_clock, respawn=respawn,
                    on_fatal=on_fatal)
         pool._generators = refs
+        pool.shared_procs = shared[0] if shared else None
         return pool
 
     async def run_group(self, group_id: int, prompt_index: int, group_size: int,
@@ -309,7 +325,7 @@ class RolloutWorkerPool:
 
     async def _replace(self, index: int) -> None:
         assert self._respawn is not None
-        old_procs = self.workers[index][0]
+        old_stops = self.workers[index][0]
         self.num_replaced += 1
         name = f"rollout_worker_{index}_r{self.num_replaced}"
         try:
@@ -319,7 +335,7 @@ class RolloutWorkerPool:
                 self._on_fatal(f"rollout worker {index} could not be replaced: {e}")
             return
         finally:
-            await asyncio.gather(asyncio.wait_for(old_procs.stop(), STOP_TIMEOUT_S),
+            await asyncio.gather(asyncio.wait_for(old_stops.stop(), STOP_TIMEOUT_S),
                                  return_exceptions=True)
         # Its router starts from every generator serving: tell it what the others know.
         for g in self._out:
@@ -378,14 +394,17 @@ class RolloutWorkerPool:
                 link.fail("the pool closed")
         await asyncio.gather(*self._replacements, return_exceptions=True)
 
-        async def close_one(procs: Any, actor: Any) -> None:
+        async def close_one(stops: Any, actor: Any) -> None:
             try:
                 await asyncio.wait_for(actor.close.call_one(), STOP_TIMEOUT_S)
             finally:
-                await asyncio.wait_for(procs.stop(), STOP_TIMEOUT_S)
+                await asyncio.wait_for(stops.stop(), STOP_TIMEOUT_S)
 
         results = await asyncio.gather(*(close_one(p, a) for p, a in self.workers),
                                        return_exceptions=True)
+        if self.shared_procs is not None:  # once its workers have closed
+            results += await asyncio.gather(
+                asyncio.wait_for(self.shared_procs.stop(), STOP_TIMEOUT_S), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 logger.warning("closing a rollout worker: %r", result)
