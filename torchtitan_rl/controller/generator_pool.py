@@ -38,10 +38,10 @@ from monarch.actor import ActorError, ProcMesh
 
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.console import short_report
-from torchtitan_rl.controller.shared_procs import spawn_generator_procs
 from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
 from torchtitan_rl.controller.placement import RunHosts
 from torchtitan_rl.controller.router import GeneratorRouter
+from torchtitan_rl.controller.shared_procs import spawn_generator_procs
 from torchtitan_rl.controller.weight_push import (
     RELAY_TIMEOUT_S,
     REPLACEMENT_ATTEMPT,

@@ -37,7 +37,6 @@ from monarch.actor import Channel
 
 from torchtitan_rl.controller.idle_ratios import BusyClock
 from torchtitan_rl.controller.placement import RunHosts
-from torchtitan_rl.controller.shared_procs import spawn_shared_procs
 from torchtitan_rl.controller.rollout_worker import (
     GeneratorRef,
     GroupAssignment,
@@ -45,6 +44,7 @@ from torchtitan_rl.controller.rollout_worker import (
     RolloutWorker,
     RolloutWorkerSpec,
 )
+from torchtitan_rl.controller.shared_procs import spawn_shared_procs
 from torchtitan_rl.generator import GeneratorHandle, GeneratorLostError
 from torchtitan_rl.types import GenerateFn, Sampling
 
@@ -218,8 +218,9 @@ class RolloutWorkerPool:
         pool: RolloutWorkerPool | None = None
 
         async def respawn(index: int, name: str, procs: Any = None) -> tuple[Any, Any]:
-            """Worker ``index`` on ``procs`` (a proc of the shared mesh) or a mesh of its own
-            on its generator's host; (what stops it: that mesh, or its actor mesh, actor)."""
+            """Worker ``index`` on ``procs`` (a proc of the shared mesh) or on a mesh of its own
+            on its generator's host. Returns (what to stop when it goes: its own mesh, or its
+            actor mesh on the shared one; its actor mesh)."""
             own_procs = procs is None
             if own_procs:
                 procs = hosts.generator_host(index % len(refs)).spawn_procs(
