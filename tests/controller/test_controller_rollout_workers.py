@@ -25,11 +25,8 @@ from torchtitan_rl.config.manager import parse_args
 from torchtitan_rl.controller.job import RLJob
 from torchtitan_rl.controller.rollout_worker import GroupAssignment, GroupOutcome
 from torchtitan_rl.controller.router import GeneratorRouter
-from torchtitan_rl.controller.worker_pool import (
-    RolloutWorkerLostError,
-    RolloutWorkerPool,
-    WorkerAssigner,
-)
+from torchtitan_rl.controller.worker_link import RolloutWorkerLostError
+from torchtitan_rl.controller.worker_pool import RolloutWorkerPool, WorkerAssigner
 from torchtitan_rl.generator import GeneratorLostError
 from torchtitan_rl.types import Sampling
 

@@ -39,7 +39,7 @@ from torchtitan_rl.controller.idle_ratios import IdleRatios
 from torchtitan_rl.controller.parts import RunParts
 from torchtitan_rl.controller.staleness import StalenessGate
 from torchtitan_rl.controller.supervision import RunFailedError
-from torchtitan_rl.controller.worker_pool import RolloutWorkerLostError
+from torchtitan_rl.controller.worker_link import RolloutWorkerLostError
 from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.generator import GeneratorLostError
 from torchtitan_rl.rollout import rollout_group_to_training_samples, rollout_metrics
