@@ -9,9 +9,10 @@ generators' layout, controller/shared_procs.py: one generator is stopped or lost
 For each K, in a fresh child process (Monarch reads ``HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY``
 once, at start): spawn the procs on this host, one trivial actor each, answer one call, wait
 3 s, then measure the process's CPU (time.process_time: every thread, Monarch's included) over
-``--idle-s`` of doing nothing. ``--poll`` is Monarch's health poll interval; `torchtitan_rl.train`
-sets 1 s (Monarch's default is 10 s) so that a lost generator is noticed soon. Lines are
-key=value; the last one: ``per_mesh_ms_per_poll=<(CPU ms/s at the largest K - at K = 1) x poll
+``--idle-s`` of doing nothing, then SIGKILL one proc and time Monarch's failure report
+(``detect_s``: what the poll buys). ``--poll`` is Monarch's health poll interval
+(``placement.health_poll_s``; a run's default is N / 2 s for N generators, in [1, 10]; Monarch's
+own default is 10 s). Lines are key=value; the last one: ``per_mesh_ms_per_poll=<(CPU ms/s at the largest K - at K = 1) x poll
 s / (K - 1), layout meshes> per_shared_proc_ms_per_poll=<the same, layout shared>``.
 """
 
@@ -20,21 +21,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 
-def measure(num_procs: int, layout: str, idle_s: float) -> float:
-    """Child mode: the idle CPU ms per second with ``num_procs`` procs."""
+def measure(num_procs: int, layout: str, idle_s: float) -> tuple[float, float]:
+    """Child mode: (the idle CPU ms per second with ``num_procs`` procs, the seconds from a proc's
+    SIGKILL to Monarch's failure report)."""
+    import monarch.actor
     from monarch.actor import Actor, endpoint, this_host
+
+    reported = threading.Event()
+    monarch.actor.unhandled_fault_hook = lambda failure: reported.set()
 
     class Idle(Actor):
         @endpoint
         async def ping(self) -> int:
             return os.getpid()
 
-    async def run() -> float:
+    async def run() -> tuple[float, float]:
         if layout == "meshes":
             meshes = [this_host().spawn_procs(per_host={"procs": 1}, name=f"procs_{i}")
                       for i in range(num_procs)]
@@ -43,14 +51,18 @@ def measure(num_procs: int, layout: str, idle_s: float) -> float:
             meshes = [this_host().spawn_procs(per_host={"procs": num_procs}, name="procs")]
             slices = ([meshes[0].slice(procs=slice(i, i + 1)) for i in range(num_procs)]
                       if layout == "shared" else meshes)
+        pids = []
         for i, procs in enumerate(slices):
-            await procs.spawn(f"idle_{i}", Idle).ping.call()
+            pids += [pid for _, pid in (await procs.spawn(f"idle_{i}", Idle).ping.call()).items()]
         await asyncio.sleep(3.0)  # spawning's own work settles
         start = time.process_time()
         await asyncio.sleep(idle_s)
         cpu_ms_per_s = 1e3 * (time.process_time() - start) / idle_s
-        await asyncio.gather(*(procs.stop() for procs in meshes))
-        return cpu_ms_per_s
+        killed = time.monotonic()
+        os.kill(pids[-1], signal.SIGKILL)
+        await asyncio.to_thread(reported.wait, 120.0)
+        detect_s = time.monotonic() - killed if reported.is_set() else float("nan")
+        return cpu_ms_per_s, detect_s
 
     return asyncio.run(run())
 
@@ -63,8 +75,8 @@ def main() -> None:
     parser.add_argument("--child", nargs=2, metavar=("K", "LAYOUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(measure(int(args.child[0]), args.child[1], args.idle_s))
-        return
+        print(*measure(int(args.child[0]), args.child[1], args.idle_s))
+        os._exit(0)  # the killed proc's mesh: no stop to wait for
     env = {**os.environ, "HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY": args.poll}
     poll_s = float(args.poll.rstrip("ms")) / (1000 if args.poll.endswith("ms") else 1)
     counts = [int(k) for k in args.meshes.split(",")]
@@ -77,10 +89,10 @@ def main() -> None:
             if child.returncode != 0:
                 raise SystemExit(f"K={k} {layout}: exit {child.returncode}: "
                                  f"{child.stderr.strip().splitlines()[-1:]}")
-            cpu = float(child.stdout.strip().splitlines()[-1])
+            cpu, detect_s = map(float, child.stdout.strip().splitlines()[-1].split())
             idle[k, layout] = cpu
-            print(f"procs={k} layout={layout} poll={args.poll} idle_cpu_ms_per_s={cpu:.2f}",
-                  flush=True)
+            print(f"procs={k} layout={layout} poll={args.poll} idle_cpu_ms_per_s={cpu:.2f} "
+                  f"detect_s={detect_s:.1f}", flush=True)
     k = counts[-1]
     if k > 1 and 1 in counts:
         print(" ".join(f"per_{name}_ms_per_poll="

@@ -26,12 +26,8 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-# Monarch polls its procs' health every 10 s by default: a dead generator would stall the run that
-# long before it is replaced. Set before Monarch starts (procs inherit it); a user's value wins.
-os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
-
-from torchtitan_rl.config.errors import ConfigError  # noqa: E402 (after the env default)
-from torchtitan_rl.controller.lifetime import RunStopped, set_monarch_defaults  # noqa: E402
+from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.controller.lifetime import RunStopped, set_monarch_defaults
 
 set_monarch_defaults()  # a dead controller's procs end in seconds, not minutes (lifetime.py)
 

@@ -1,17 +1,25 @@
 """MeshFailureWatch's dispatch of Monarch's failure reports (no procs: reports are fed in): the
 watched trainer's loss raises TrainerLostError, a replaced trainer's late reports and Monarch's
-companion meshes change nothing, any other mesh fails the run."""
+companion meshes change nothing, any other mesh fails the run. How often Monarch checks
+(placement.health_poll_s): the auto value, the environment's precedence."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
+from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.controller import supervision
+from torchtitan_rl.controller.placement import Placement
 from torchtitan_rl.controller.supervision import (
+    HEALTH_POLL_ENV,
     MeshFailureWatch,
     RunFailedError,
     TrainerLostError,
+    apply_health_poll,
+    auto_health_poll_s,
 )
 
 
@@ -60,3 +68,26 @@ def test_an_unwatched_trainer_or_another_mesh_fails_the_run() -> None:
             await watch.run_until_failure(_forever())
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("num_generators, seconds", [(1, 1.0), (2, 1.0), (16, 8.0), (20, 10.0),
+                                                     (1024, 10.0)])
+def test_the_auto_health_poll_grows_with_the_generators_up_to_monarchs_default(
+        num_generators, seconds):
+    assert auto_health_poll_s(num_generators) == seconds
+
+
+def test_the_health_poll_is_applied_unless_the_environment_sets_it(monkeypatch):
+    monkeypatch.delenv(HEALTH_POLL_ENV, raising=False)
+    monkeypatch.setattr(supervision, "_poll_set_here", None)
+    assert apply_health_poll(1.0) == "1000ms" and os.environ[HEALTH_POLL_ENV] == "1000ms"
+    assert apply_health_poll(8.0) == "8000ms"  # a later run of this process: its own value
+    assert os.environ[HEALTH_POLL_ENV] == "8000ms"
+
+    monkeypatch.setenv(HEALTH_POLL_ENV, "3s")  # the user's
+    assert apply_health_poll(1.0) == "3s" and os.environ[HEALTH_POLL_ENV] == "3s"
+
+
+def test_a_negative_health_poll_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"^placement.health_poll_s must be >= 0"):
+        Placement.Config(health_poll_s=-1).check(num_generators=1, num_trainer_ranks=1)
