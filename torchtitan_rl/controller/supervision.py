@@ -47,9 +47,9 @@ _poll_set_here: str | None = None
 
 
 def auto_health_poll_s(num_generators: int) -> float:
-    """N / 2 seconds for N generators, at least 1 and at most 10 (Monarch's own default): the
-    checks cost ~2 ms of controller CPU a second up to 20 generators, and ~0.1 ms a second per
-    generator beyond, where a lost one among many is noticed within 10 s."""
+    """N / 2 seconds for N generators, at least 1 and at most 10 (Monarch's own default): a check
+    costs the controller ~1-2 ms of CPU per generator, so the generators' share of the poll stays
+    about flat up to 20 of them, and a lost one among many is noticed within 10 s."""
     return min(10.0, max(1.0, num_generators / 2))
 
 
