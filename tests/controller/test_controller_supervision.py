@@ -78,14 +78,21 @@ def test_the_auto_health_poll_grows_with_the_generators_up_to_monarchs_default(
 
 
 def test_the_health_poll_is_applied_unless_the_environment_sets_it(monkeypatch):
+    from monarch._rust_bindings.monarch_hyperactor import config as monarch_config
+
+    reloads: list[str] = []  # Monarch's own config stays as it was for the tests after this one
+    monkeypatch.setattr(monarch_config, "reload_config_from_env",
+                        lambda: reloads.append(os.environ[HEALTH_POLL_ENV]))
     monkeypatch.delenv(HEALTH_POLL_ENV, raising=False)
     monkeypatch.setattr(supervision, "_poll_set_here", None)
     assert apply_health_poll(1.0) == "1000ms" and os.environ[HEALTH_POLL_ENV] == "1000ms"
     assert apply_health_poll(8.0) == "8000ms"  # a later run of this process: its own value
     assert os.environ[HEALTH_POLL_ENV] == "8000ms"
+    assert reloads == ["1000ms", "8000ms"]  # Monarch re-read each value
 
     monkeypatch.setenv(HEALTH_POLL_ENV, "3s")  # the user's
     assert apply_health_poll(1.0) == "3s" and os.environ[HEALTH_POLL_ENV] == "3s"
+    assert reloads == ["1000ms", "8000ms"]  # nothing of ours to read
 
 
 def test_a_negative_health_poll_is_refused_naming_the_key():
