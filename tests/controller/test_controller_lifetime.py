@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -84,6 +86,35 @@ def test_reap_ends_marked_processes_only():
             p.wait()
 
 
+def test_reap_removes_the_socket_folder_of_a_dead_controllers_process_job(tmp_path):
+    """What ProcessJob.kill() would have removed: only a folder of sockets, never other files."""
+    import socket
+
+    token = "t" + os.urandom(4).hex()
+    folders = []
+    for name, extra in (("monarch_process_job_a", None), ("monarch_process_job_b", "notes.txt")):
+        folder = tmp_path / name
+        folder.mkdir()
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(folder / "generators_0"))
+        listener.close()
+        if extra:
+            (folder / extra).write_text("a user's file")
+        folders.append(folder)
+    workers = [subprocess.Popen(
+        [sys.executable, "-c", f'import time; time.sleep(600)  # address="ipc://{f}/generators_0"'],
+        env={**os.environ, RUN_TOKEN_ENV: token}, start_new_session=True) for f in folders]
+    try:
+        assert lifetime.socket_dirs([w.pid for w in workers]) == set(folders)
+        assert lifetime.reap(token) == 2
+        assert not folders[0].exists()
+        assert sorted(p.name for p in folders[1].iterdir()) == ["generators_0", "notes.txt"]
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+
+
 CONTROLLER = """
 import os, subprocess, sys, time
 from torchtitan_rl.controller.lifetime import OrphanReaper
@@ -148,11 +179,15 @@ def test_a_cleanup_that_hangs_is_cut_at_the_deadline():
 
 
 # ---- real runs (slow) ---------------------------------------------------------------------------
-def _train(out: pathlib.Path, *args: str, fault: str | None = None) -> subprocess.Popen:
+def _train(out: pathlib.Path, *args: str, fault: str | None = None,
+           temp_dir: pathlib.Path | None = None) -> subprocess.Popen:
+    env = env_without_faults(fault)
+    if temp_dir is not None:
+        env["TMPDIR"] = str(temp_dir)
     return subprocess.Popen(
         [sys.executable, "-m", "torchtitan_rl.train", "--config",
          "tests/controller/tiny_letter_job.toml", "--output_dir", str(out), *args],
-        cwd=REPO_ROOT, env=env_without_faults(fault), start_new_session=True,
+        cwd=REPO_ROOT, env=env, start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -172,8 +207,10 @@ def test_every_process_of_a_run_is_gone_after_it_ends(tmp_path, placement, end):
     steps = "1" if end == "success" else "100"
     fault = {"sigkill": "kill_controller_after_groups:4",
              "error": "kill_trainer_after_steps:2"}.get(end)  # error: a lost trainer, no restart
+    # A short temp dir of its own (a socket path has <= 107 bytes): ProcessJob's socket folder.
+    temp_dir = pathlib.Path(tempfile.mkdtemp(prefix="ttrl"))
     controller = _train(tmp_path, "--placement.kind", placement, "--loop.num_steps", steps,
-                        "--trainer.max_restarts", "0", fault=fault)
+                        "--trainer.max_restarts", "0", fault=fault, temp_dir=temp_dir)
     sessions = {controller.pid}  # its own session; each simulated host has one
     try:
         # Any checkpoint: step-000001 alone is deleted three saves later (keep_last), which a
@@ -196,9 +233,14 @@ def test_every_process_of_a_run_is_gone_after_it_ends(tmp_path, placement, end):
         _, stderr = controller.communicate(timeout=lifetime.STOP_DEADLINE_S + 30)
         tracked.update(_in_sessions(sessions))  # anything started since
         assert _wait_gone(tracked) == [], [psutil.Process(p).cmdline() for p in _alive(tracked)]
+        # Nothing left in the temp dir either: ProcessJob's kill or, after a SIGKILL, the reaper
+        # removes the simulated hosts' socket folder.
+        _wait_for(lambda: not any(temp_dir.glob("monarch_process_job_*")),
+                  "removal of the socket folder", timeout_s=60.0)
     finally:
         controller.kill()
         _kill_sessions(_in_sessions(sessions))
+        shutil.rmtree(temp_dir, ignore_errors=True)
     expected = {"sigkill": -signal.SIGKILL, "sigterm": 128 + signal.SIGTERM,
                 "ctrl-c": 128 + signal.SIGINT, "success": 0, "error": 1}[end]
     assert controller.returncode == expected, stderr[-3000:]

@@ -16,7 +16,8 @@ import sys
 import pytest
 
 from torchtitan_rl.config.errors import ConfigError
-from torchtitan_rl.controller.placement import Placement, SlurmPlacement, slurm_job_kwargs
+from torchtitan_rl.controller.cluster_jobs import SlurmPlacement, slurm_job_kwargs
+from torchtitan_rl.controller.placement import Placement
 from torchtitan_rl.train import main
 
 from tests.controller.jobs import (
@@ -226,7 +227,7 @@ def test_generators_share_hosts_as_configured():
 def test_slurm_settings_reach_monarch_slurm_job():
     placement = Placement.Config(kind="slurm", host_timeout_s=900, slurm=SlurmPlacement(
         partition="gpu", time_limit="02:00:00", gpus_per_node=8, slurm_args=["--account=rl"]))
-    kwargs = slurm_job_kwargs(placement)
+    kwargs = slurm_job_kwargs(placement.slurm, placement.host_timeout_s)
     assert kwargs["partition"] == "gpu" and kwargs["time_limit"] == "02:00:00"
     assert kwargs["gpus_per_node"] == 8 and kwargs["slurm_args"] == ("--account=rl",)
     assert kwargs["job_start_timeout"] == 900

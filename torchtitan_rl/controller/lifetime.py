@@ -4,7 +4,8 @@
                 (mesh_bootstrap_enable_pdeathsig, on by default) ends them with it
     process     one worker session per simulated host: `OrphanReaper`, a sidecar that waits for
                 the controller's end (a pipe's EOF: no polling) and kills every process that
-                carries the run's token in its environment (the workers and their procs)
+                carries the run's token in its environment (the workers and their procs), then
+                removes the socket folder the dead controller's ProcessJob left in the temp dir
     attach      the procs of a client that is gone: Monarch's host agent reaps procs whose client
                 stopped renewing their keepalive for ``HYPERACTOR_MESH_ORPHAN_TIMEOUT``; the
                 client pushes its config to the workers it attaches to, so the default set here
@@ -22,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -107,10 +110,46 @@ def marked_pids(token: str) -> list[int]:
     return pids
 
 
+SOCKET_DIR_PREFIX = "monarch_process_job_"
+"""`monarch.job.ProcessJob`'s folder of its workers' ipc:// sockets (removed by its ``kill``)."""
+
+
+def socket_dirs(pids: list[int]) -> set[pathlib.Path]:
+    """The ProcessJob socket folders that the workers among ``pids`` listen in (their command
+    line holds ``address="ipc://<folder>/<host>"``)."""
+    dirs = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        for address in re.findall(r'address="ipc://([^"]+)"', cmdline):
+            folder = pathlib.Path(address).parent
+            if folder.name.startswith(SOCKET_DIR_PREFIX):
+                dirs.add(folder)
+    return dirs
+
+
+def remove_socket_dir(folder: pathlib.Path) -> bool:
+    """Remove ``folder`` if it holds nothing but sockets (never anything else); True if removed."""
+    try:
+        entries = list(folder.iterdir())
+        if not all(entry.is_socket() for entry in entries):
+            return False
+        for entry in entries:
+            entry.unlink(missing_ok=True)
+        folder.rmdir()
+    except OSError:  # gone already, or not ours
+        return False
+    return True
+
+
 def reap(token: str, grace_s: float = REAP_GRACE_S) -> int:
-    """SIGTERM every marked process, SIGKILL what is left after ``grace_s``; returns how many
-    there were."""
+    """SIGTERM every marked process, SIGKILL what is left after ``grace_s``, then remove the
+    socket folders they listened in; returns how many processes there were."""
     found = marked_pids(token)
+    folders = socket_dirs(found)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in found if sig == signal.SIGTERM else marked_pids(token):
             try:
@@ -120,6 +159,8 @@ def reap(token: str, grace_s: float = REAP_GRACE_S) -> int:
         deadline = time.monotonic() + grace_s
         while sig == signal.SIGTERM and marked_pids(token) and time.monotonic() < deadline:
             time.sleep(0.1)  # polling the processes' exit, bounded by grace_s
+    for folder in folders:
+        remove_socket_dir(folder)
     return len(found)
 
 

@@ -42,7 +42,11 @@ from torchtitan_rl.generator.loop_decision import (
     LoopInbox,
 )
 from torchtitan_rl.generator.pending_requests import PendingPulls, PendingRequests
-from torchtitan_rl.generator.vllm_engine import add_request, partial_output
+from torchtitan_rl.generator.vllm_engine import (
+    abort_with_outputs,
+    add_requests,
+    finished_outputs_of_step,
+)
 from torchtitan_rl.types import Completion, GenerateRequest, Sampling
 from torchtitan_rl.weight_sync.shared_memory import StagedWeights
 
@@ -288,7 +292,8 @@ class EngineLoop:
     async def _admit(self, requests: list[EngineRequest]) -> None:
         if not requests:
             return
-        failures = await self._in_thread(self._add_requests, requests)
+        salt = str(self.policy_version) if self.weight_sync.salts_prefix_cache_by_version else None
+        failures = await self._in_thread(add_requests, self.engine, requests, salt)
         if self.rank != 0:
             return
         now = time.monotonic()
@@ -299,17 +304,6 @@ class EngineLoop:
                 self._pending.fail(rid, failures[rid])
             else:
                 self._pending.mark_admitted(rid, now)
-
-    def _add_requests(self, requests: list[EngineRequest]) -> dict[str, Exception]:
-        # A request vLLM refuses (too long, bad token id) fails alone, identically on every rank.
-        failures: dict[str, Exception] = {}
-        salt = str(self.policy_version) if self.weight_sync.salts_prefix_cache_by_version else None
-        for request in requests:
-            try:
-                add_request(self.engine, request, cache_salt=salt)
-            except Exception as exc:
-                failures[request.request_id] = exc
-        return failures
 
     async def _step_burst(self) -> None:
         # The whole burst is one call into the engine thread: a round trip to the event loop
@@ -334,7 +328,7 @@ class EngineLoop:
         the event loop as soon as the step ends (callbacks run in order, all of them before
         ``_step_burst`` resumes)."""
         for _ in range(self.max_steps):
-            finished = self._step_once()
+            finished = finished_outputs_of_step(self.engine)
             if finished is None:
                 return
             loop.call_soon_threadsafe(self._on_step_in_loop, finished)
@@ -350,11 +344,6 @@ class EngineLoop:
         except Exception as exc:  # fails the loop in _step_burst, as a failed step would
             if self._burst_error is None:
                 self._burst_error = exc
-
-    def _step_once(self) -> list[Any] | None:
-        if not self.engine.has_unfinished_requests():
-            return None
-        return [output for output in self.engine.step() if output.finished]
 
     def _on_step(self, finished: list[Any]) -> None:
         self.num_steps += 1
@@ -400,7 +389,7 @@ class EngineLoop:
                                "(a request held blocks)", self.rank, version)
 
     async def _abort(self, request_ids: list[str]) -> None:
-        outputs = await self._in_thread(self._abort_in_engine, request_ids)
+        outputs = await self._in_thread(abort_with_outputs, self.engine, request_ids)
         if self.rank != 0:
             return
         num_in_engine = len(self._inbox.in_engine) + len(request_ids)
@@ -410,11 +399,6 @@ class EngineLoop:
                 self._pending.fail(rid, RuntimeError(f"request {rid} vanished from vLLM"))
                 continue
             self._resolve_output(output, num_in_engine)
-
-    def _abort_in_engine(self, request_ids: list[str]) -> list[Any]:
-        outputs = [partial_output(self.engine, rid) for rid in request_ids]
-        self.engine.abort_request(request_ids)
-        return outputs
 
     # ---- helpers --------------------------------------------------------------------------------
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -180,6 +180,34 @@ def partial_output(engine: LLMEngine, request_id: str) -> RequestOutput | None:
     return None
 
 
+def add_requests(engine: LLMEngine, requests: list[EngineRequest],
+                 cache_salt: str | None = None) -> dict[str, Exception]:
+    """Add every request; one vLLM refuses (too long, a bad token id) fails alone, the same way
+    on every rank. Returns {request id: its error} for those."""
+    failures: dict[str, Exception] = {}
+    for request in requests:
+        try:
+            add_request(engine, request, cache_salt=cache_salt)
+        except Exception as exc:
+            failures[request.request_id] = exc
+    return failures
+
+
+def finished_outputs_of_step(engine: LLMEngine) -> list[RequestOutput] | None:
+    """One engine step's finished outputs; None when the engine has nothing to step."""
+    if not engine.has_unfinished_requests():
+        return None
+    return [output for output in engine.step() if output.finished]
+
+
+def abort_with_outputs(engine: LLMEngine, request_ids: list[str]) -> list[RequestOutput | None]:
+    """Abort running requests; what each had produced, as ``partial_output`` reads it (None: vLLM
+    no longer knows the request)."""
+    outputs = [partial_output(engine, rid) for rid in request_ids]
+    engine.abort_request(request_ids)
+    return outputs
+
+
 def token_policy_versions(output: Any, num_tokens: int) -> list[int]:
     """Expand vLLM's ``weight_versions`` spans into one policy version per output token."""
     versions: list[int] = []
