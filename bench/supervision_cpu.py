@@ -11,7 +11,7 @@ once, at start): spawn the procs on this host, one trivial actor each, answer on
 3 s, then measure the process's CPU (time.process_time: every thread, Monarch's included) over
 ``--idle-s`` of doing nothing, then SIGKILL one proc and time Monarch's failure report
 (``detect_s``: what the poll buys). ``--poll`` is Monarch's health poll interval
-(``placement.health_poll_s``; a run's default is N / 2 s for N generators, in [1, 10]; Monarch's
+(``placement.health_poll_s``; a run's default is N / 2 s for N generators, in [2, 10]; Monarch's
 own default is 10 s). Lines are key=value; the last one: ``per_mesh_ms_per_poll=<(CPU ms/s at
 the largest K - at K = 1) x poll s / (K - 1), layout meshes> per_shared_proc_ms_per_poll=<the
 same, layout shared>``.

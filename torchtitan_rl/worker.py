@@ -27,8 +27,6 @@ import logging
 import os
 import sys
 
-# Procs spawned by this worker inherit it: a lost generator is noticed in ~1 s, not ~10 s.
-os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 # A gone client's procs are stopped within a minute, not > 5 min; the worker keeps serving
 # (controller/lifetime.py; an attaching client pushes its own value too).
 from torchtitan_rl.controller.lifetime import set_monarch_defaults  # noqa: E402 (stdlib only)

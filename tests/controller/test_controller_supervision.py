@@ -70,7 +70,7 @@ def test_an_unwatched_trainer_or_another_mesh_fails_the_run() -> None:
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("num_generators, seconds", [(1, 1.0), (2, 1.0), (16, 8.0), (20, 10.0),
+@pytest.mark.parametrize("num_generators, seconds", [(1, 2.0), (4, 2.0), (6, 3.0), (16, 8.0), (20, 10.0),
                                                      (1024, 10.0)])
 def test_the_auto_health_poll_grows_with_the_generators_up_to_monarchs_default(
         num_generators, seconds):

@@ -80,7 +80,7 @@ class Placement(Configurable):
         health_poll_s: float = 0.0
         """Seconds between Monarch's health checks (a lost proc is noticed within one; each
         costs the controller ~1-2 ms of CPU per generator). 0 = auto: N / 2 for N generators,
-        in [1, 10]. HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY in the environment wins."""
+        in [2, 10]. HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY in the environment wins."""
         slurm: SlurmPlacement = dataclasses.field(default_factory=SlurmPlacement)
         kubernetes: KubernetesPlacement = dataclasses.field(default_factory=KubernetesPlacement)
 
