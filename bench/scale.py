@@ -28,9 +28,10 @@ the serial push sends everything from trainer rank 0), the model's bytes, push w
 child and every process under it, shared library pages counted in each, sampled each second); then,
 over the N, the controller's CPU split into per turn and per step (a least-squares line).
 ``--num-workers`` sets ``rollouter.num_workers`` (rollout-worker actors) where this code has the
-field; ``--link-mbps`` sets ``TORCHTITAN_RL_SIMULATED_LINK_MBPS``, which paces each process's sends
-to a simulated NIC where the relay push reads it (on 2 cores, wall time cannot show network scaling
-otherwise). Before each N the bench estimates the memory it needs from the previous N and stops
+field; ``--health-poll-s`` sets ``placement.health_poll_s`` (default 0: the run's auto poll; a
+long poll, 100, shows what Monarch's health checks cost the controller); ``--link-mbps`` sets
+``TORCHTITAN_RL_SIMULATED_LINK_MBPS``, which paces each process's sends to a simulated NIC where
+the relay push reads it (on 2 cores, wall time cannot show network scaling otherwise). Before each N the bench estimates the memory it needs from the previous N and stops
 there (saying so) if this machine has not that much available; a failed N stops it too. Each job's
 console and logs go to ``<output-dir>/n<N>/``.
 
@@ -107,6 +108,7 @@ def job_config(args: argparse.Namespace, n: int, run_dir: pathlib.Path):
         if "num_workers" not in Rollouter.Config.__dataclass_fields__:
             raise SystemExit("--num-workers: this code has no rollouter.num_workers")
         rollouter["num_workers"] = args.num_workers
+    placement = {"health_poll_s": args.health_poll_s} if args.health_poll_s else {}
     # A turn is a question of ~15 tokens and a reply of up to --max-tokens: whole conversations
     # fit 48 tokens a turn.
     seq_len = 48 * args.turns
@@ -120,7 +122,8 @@ def job_config(args: argparse.Namespace, n: int, run_dir: pathlib.Path):
         sampling=Sampling(max_tokens=args.max_tokens, temperature=1.0),
         generator=Generator.Config(engine="stand_in", stand_in_tokens_per_s=args.tokens_per_s,
                                    max_model_len=seq_len, max_restarts=0),
-        placement=Placement.Config(kind="process", generators_per_host=1, host_timeout_s=300.0),
+        placement=Placement.Config(kind="process", generators_per_host=1, host_timeout_s=300.0,
+                                   **placement),
         batcher=Batcher.Config(seq_len=seq_len),
         trainer=PolicyTrainer.Config(optimizer=OptimizerConfig(lr=1e-5), max_restarts=0,
                                      relay_chunk_bytes=args.relay_chunk_bytes),
@@ -327,6 +330,9 @@ def main() -> None:
                              "of a 600 MB model in the default 4 MiB chunks is ~150")
     parser.add_argument("--link-mbps", type=float, default=2.0,
                         help=f"sets {LINK_ENV} for the job (0: unset, no pacing)")
+    parser.add_argument("--health-poll-s", type=float, default=0.0,
+                        help="placement.health_poll_s (0: the run's auto poll, N / 2 s in [2, 10]); "
+                             "a long poll (100) shows what Monarch's health checks cost")
     parser.add_argument("--reserve-gib", type=float, default=4.0,
                         help="memory left to the rest of the machine: an N needing more stops")
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="per N")
