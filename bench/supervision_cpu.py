@@ -10,7 +10,10 @@ For each K, in a fresh child process (Monarch reads ``HYPERACTOR_MESH_SUPERVISIO
 once, at start): spawn the procs on this host, one trivial actor each, answer one call, wait
 3 s, then measure the process's CPU (time.process_time: every thread, Monarch's included) over
 ``--idle-s`` of doing nothing, then SIGKILL one proc and time Monarch's failure report
-(``detect_s``: what the poll buys). ``--poll`` is Monarch's health poll interval
+(``detect_s``: what the poll buys), then SIGKILL a second proc of the same proc mesh and time
+its report (``second_detect_s``; ``none``: no report within three polls + 10 s. Monarch reports
+a mesh's failure once, so a second rank lost from one actor mesh goes unreported, and calls to it
+never return: why each generator has an actor mesh of its own). ``--poll`` is Monarch's health poll interval
 (``placement.health_poll_s``; a run's default is N / 2 s for N generators, in [2, 10]; Monarch's
 own default is 10 s). Lines are key=value; the last one: ``per_mesh_ms_per_poll=<(CPU ms/s at
 the largest K - at K = 1) x poll s / (K - 1), layout meshes> per_shared_proc_ms_per_poll=<the
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import signal
 import subprocess
@@ -29,21 +33,35 @@ import threading
 import time
 
 
-def measure(num_procs: int, layout: str, idle_s: float) -> tuple[float, float]:
+def parse_seconds(poll: str) -> float:
+    """Monarch's duration ("1s", "500ms") in seconds."""
+    return float(poll.rstrip("ms")) / (1000 if poll.endswith("ms") else 1)
+
+
+def measure(num_procs: int, layout: str, idle_s: float) -> tuple[float, float, float]:
     """Child mode: (the idle CPU ms per second with ``num_procs`` procs, the seconds from a proc's
-    SIGKILL to Monarch's failure report)."""
+    SIGKILL to Monarch's failure report, the same for a second proc killed after it: NaN when
+    there is no report or no second proc)."""
     import monarch.actor
     from monarch.actor import Actor, endpoint, this_host
 
     reported = threading.Event()
     monarch.actor.unhandled_fault_hook = lambda failure: reported.set()
+    poll_s = parse_seconds(os.environ["HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"])
+
+    async def time_report(pid: int) -> float:
+        reported.clear()
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        seen = await asyncio.to_thread(reported.wait, 3 * poll_s + 10.0)
+        return time.monotonic() - killed if seen else float("nan")
 
     class Idle(Actor):
         @endpoint
         async def ping(self) -> int:
             return os.getpid()
 
-    async def run() -> tuple[float, float]:
+    async def run() -> tuple[float, float, float]:
         if layout == "meshes":
             meshes = [this_host().spawn_procs(per_host={"procs": 1}, name=f"procs_{i}")
                       for i in range(num_procs)]
@@ -59,11 +77,11 @@ def measure(num_procs: int, layout: str, idle_s: float) -> tuple[float, float]:
         start = time.process_time()
         await asyncio.sleep(idle_s)
         cpu_ms_per_s = 1e3 * (time.process_time() - start) / idle_s
-        killed = time.monotonic()
-        os.kill(pids[-1], signal.SIGKILL)
-        await asyncio.to_thread(reported.wait, 120.0)
-        detect_s = time.monotonic() - killed if reported.is_set() else float("nan")
-        return cpu_ms_per_s, detect_s
+        detect_s = await time_report(pids[-1])
+        if len(pids) < 2:
+            return cpu_ms_per_s, detect_s, float("nan")
+        await asyncio.sleep(1.0)  # the first kill's reports (its actor mesh, Monarch's logger) land
+        return cpu_ms_per_s, detect_s, await time_report(pids[-2])
 
     return asyncio.run(run())
 
@@ -79,7 +97,7 @@ def main() -> None:
         print(*measure(int(args.child[0]), args.child[1], args.idle_s))
         os._exit(0)  # the killed proc's mesh: no stop to wait for
     env = {**os.environ, "HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY": args.poll}
-    poll_s = float(args.poll.rstrip("ms")) / (1000 if args.poll.endswith("ms") else 1)
+    poll_s = parse_seconds(args.poll)
     counts = [int(k) for k in args.meshes.split(",")]
     idle: dict[tuple[int, str], float] = {}
     for k in counts:
@@ -90,10 +108,12 @@ def main() -> None:
             if child.returncode != 0:
                 raise SystemExit(f"K={k} {layout}: exit {child.returncode}: "
                                  f"{child.stderr.strip().splitlines()[-1:]}")
-            cpu, detect_s = map(float, child.stdout.strip().splitlines()[-1].split())
+            cpu, detect_s, second_s = map(float, child.stdout.strip().splitlines()[-1].split())
             idle[k, layout] = cpu
+            second = "none" if math.isnan(second_s) else f"{second_s:.1f}"
             print(f"procs={k} layout={layout} poll={args.poll} idle_cpu_ms_per_s={cpu:.2f} "
-                  f"detect_s={detect_s:.1f}", flush=True)
+                  f"detect_s={detect_s:.1f}" + (f" second_detect_s={second}" if k > 1 else ""),
+                  flush=True)
     k = counts[-1]
     if k > 1 and 1 in counts:
         print(" ".join(f"per_{name}_ms_per_poll="

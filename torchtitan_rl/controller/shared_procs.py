@@ -13,7 +13,9 @@ and the rollout workers.
 Why: Monarch's health poll costs the controller CPU per proc mesh (bench/supervision_cpu.py:
 ~2.1 ms per one-proc mesh per poll, ~1.0 ms per actor mesh on a shared proc mesh; two rollout
 workers on their own meshes cost ~9 ms a second at the 1 s poll, on one mesh ~0.5). A proc of the
-mesh that dies leaves the others serving; the caller stops the mesh at close.
+mesh that dies leaves the others serving; the caller stops the mesh at close. Not one actor mesh
+over them all: Monarch reports an actor mesh's failure once, so a second rank lost from it would go
+unreported and calls to it would never return (bench/supervision_cpu.py, second_detect_s).
 """
 
 from __future__ import annotations
