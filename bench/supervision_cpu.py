@@ -11,7 +11,7 @@ once, at start): spawn the procs on this host, one trivial actor each, answer on
 3 s, then measure the process's CPU (time.process_time: every thread, Monarch's included) over
 ``--idle-s`` of doing nothing, then SIGKILL one proc and time Monarch's failure report
 (``detect_s``: what the poll buys), then SIGKILL a second proc of the same proc mesh and time
-its report (``second_detect_s``; ``none``: no report within three polls + 10 s. Monarch reports
+its report (``second_detect_s``; ``none``: no report within three polls + 40 s. Monarch reports
 a mesh's failure once, so a second rank lost from one actor mesh goes unreported, and calls to it
 never return: why each generator has an actor mesh of its own). ``--poll`` is Monarch's health poll interval
 (``placement.health_poll_s``; a run's default is N / 2 s for N generators, in [2, 10]; Monarch's
@@ -53,7 +53,7 @@ def measure(num_procs: int, layout: str, idle_s: float) -> tuple[float, float, f
         reported.clear()
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        seen = await asyncio.to_thread(reported.wait, 3 * poll_s + 10.0)
+        seen = await asyncio.to_thread(reported.wait, 3 * poll_s + 40.0)
         return time.monotonic() - killed if seen else float("nan")
 
     class Idle(Actor):

@@ -6,6 +6,7 @@ companion meshes change nothing, any other mesh fails the run. How often Monarch
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
 import pytest
@@ -98,3 +99,14 @@ def test_the_health_poll_is_applied_unless_the_environment_sets_it(monkeypatch):
 def test_a_negative_health_poll_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"^placement.health_poll_s must be >= 0"):
         Placement.Config(health_poll_s=-1).check(num_generators=1, num_trainer_ranks=1)
+
+
+@pytest.mark.parametrize("seconds, warned", [(0.0, False), (1.0, True), (1.9, True), (2.0, False),
+                                             (8.0, False)])
+def test_a_health_poll_under_two_seconds_is_warned_about(seconds, warned, caplog):
+    caplog.set_level(logging.WARNING, logger="torchtitan_rl.controller.placement")
+    Placement.Config(health_poll_s=seconds).check(num_generators=1, num_trainer_ranks=1)
+    messages = [r.getMessage() for r in caplog.records]
+    assert bool(messages) == warned, messages
+    if warned:
+        assert messages[0].startswith(f"placement.health_poll_s = {seconds}: under 2.0 s")

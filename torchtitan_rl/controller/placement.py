@@ -41,7 +41,11 @@ from torchtitan_rl.controller.cluster_jobs import (
     slurm_job_kwargs,
 )
 from torchtitan_rl.controller.lifetime import OrphanReaper
-from torchtitan_rl.controller.supervision import apply_health_poll, auto_health_poll_s
+from torchtitan_rl.controller.supervision import (
+    MIN_PROMPT_HEALTH_POLL_S,
+    apply_health_poll,
+    auto_health_poll_s,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +84,8 @@ class Placement(Configurable):
         health_poll_s: float = 0.0
         """Seconds between Monarch's health checks (a lost proc is noticed within one; each
         costs the controller ~1-2 ms of CPU per generator). 0 = auto: N / 2 for N generators,
-        in [2, 10]. HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY in the environment wins."""
+        in [2, 10]; under 2 Monarch reports some losses only after ~30 s (warned).
+        HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY in the environment wins."""
         slurm: SlurmPlacement = dataclasses.field(default_factory=SlurmPlacement)
         kubernetes: KubernetesPlacement = dataclasses.field(default_factory=KubernetesPlacement)
 
@@ -103,6 +108,12 @@ class Placement(Configurable):
             if self.health_poll_s < 0:
                 raise ConfigError(f"placement.health_poll_s must be >= 0 (0: auto), got "
                                   f"{self.health_poll_s}")
+            if 0 < self.health_poll_s < MIN_PROMPT_HEALTH_POLL_S:
+                logger.warning(
+                    "placement.health_poll_s = %s: under %s s Monarch reports some lost procs only "
+                    "~30 s after they die (a second one from the generators' shared proc mesh, any "
+                    "one on attached workers); %s s or more reports them within one poll",
+                    self.health_poll_s, MIN_PROMPT_HEALTH_POLL_S, MIN_PROMPT_HEALTH_POLL_S)
             if self.host_timeout_s <= 0:
                 raise ConfigError(f"placement.host_timeout_s must be > 0, got "
                                   f"{self.host_timeout_s}")

@@ -46,12 +46,18 @@ _poll_set_here: str | None = None
 """The value this process last put in the environment (any other value there is the user's)."""
 
 
+MIN_PROMPT_HEALTH_POLL_S = 2.0
+"""Below it Monarch 0.6 reports some lost procs only ~30 s after the kill: any one on workers
+attached over TCP, and a second one lost from a shared proc mesh (4 tries of 5 at a 1 s poll; at
+2 s, every one within the poll)."""
+
+
 def auto_health_poll_s(num_generators: int) -> float:
-    """N / 2 seconds for N generators, at least 2 and at most 10 (Monarch's own default): a check
-    costs the controller ~1-2 ms of CPU per generator, so the generators' share of the poll stays
-    about flat up to 20 of them, and a lost one among many is noticed within 10 s. Not 1 s: on
-    workers attached over TCP Monarch then reported a killed proc after 30 s, not 1 (2 s: 2 s)."""
-    return min(10.0, max(2.0, num_generators / 2))
+    """N / 2 seconds for N generators, at least 2 (MIN_PROMPT_HEALTH_POLL_S) and at most 10
+    (Monarch's own default): a check costs the controller ~1-2 ms of CPU per generator, so the
+    generators' share of the poll stays about flat up to 20 of them, and a lost one among many is
+    noticed within 10 s."""
+    return min(10.0, max(MIN_PROMPT_HEALTH_POLL_S, num_generators / 2))
 
 
 def apply_health_poll(seconds: float) -> str:
