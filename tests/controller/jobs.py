@@ -140,11 +140,12 @@ class LogWatch:
             assert self._changed.wait_for(lambda: self._closed, timeout_s), "stream still open"
 
 
-def run_killing_generator_0(out: pathlib.Path, name: str, num_steps: int,
-                            *args: str) -> tuple[int, str, str]:
+def run_killing_generator_0(out: pathlib.Path, name: str, num_steps: int, *args: str,
+                            then: tuple[int, ...] = ()) -> tuple[int, str, str]:
     """``tests.controller.run_tiny_job`` in a process of its own; generator_0 (its pid from
-    the controller's log) is SIGKILLed from outside once step 1 has trained. Returns the
-    exit code, stdout and stderr."""
+    the controller's log) is SIGKILLed from outside once step 1 has trained, then each generator
+    of ``then`` in turn, the k-th once step k + 1 has trained. Returns the exit code, stdout and
+    stderr."""
     import signal
     import subprocess
     import sys
@@ -156,9 +157,11 @@ def run_killing_generator_0(out: pathlib.Path, name: str, num_steps: int,
         text=True)
     log = LogWatch(proc.stderr)
     try:
-        started = log.wait_for(r"generator generator_0 started \(tp=1, pids (\d+) ")
-        log.wait_for(r"step=1 ")
-        os.kill(int(started.group(1)), signal.SIGKILL)
+        victims = (0, *then)
+        for step, victim in enumerate(victims, start=1):
+            started = log.wait_for(rf"generator generator_{victim} started \(tp=1, pids (\d+) ")
+            log.wait_for(rf"step={step} ")
+            os.kill(int(started.group(1)), signal.SIGKILL)
         proc.wait(timeout=600)
     finally:
         if proc.poll() is None:

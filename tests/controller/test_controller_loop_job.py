@@ -268,6 +268,25 @@ def test_generator_killed_mid_step_is_replaced_and_nothing_is_lost(tmp_path, sta
         assert last["generator/requests_served_by_others_during_recovery"] > 0
 
 
+@pytest.mark.slow
+def test_a_second_generator_lost_from_the_shared_proc_mesh_is_replaced_too(tmp_path):
+    # Monarch reports an actor mesh's failure once; the generators share one proc mesh, each with
+    # an actor mesh of its own, so a second loss on that proc mesh is reported on its own: else
+    # generator_1's requests never return and the run hangs (proc.wait's timeout fails it).
+    num_steps, num_prompts = 12, 24
+    returncode, stdout, log = run_killing_generator_0(
+        tmp_path, "lost2", num_steps, "--num-prompts", str(num_prompts), "--num-generators", "2",
+        then=(1,))
+    assert returncode == 0, log[-4000:]
+    assert "generators: one proc mesh for 2 on 1 host(s)" in log
+    assert f"steps={num_steps}" in stdout.strip().splitlines()[-1].split()
+    assert "generator_0 replaced by generator_0_r1" in log
+    assert "generator_1 replaced by generator_1_r1" in log
+    run_dir = tmp_path / "lost2"
+    assert_every_group_trained_once(run_dir, num_steps, num_prompts)
+    assert read_metrics(run_dir)[num_steps - 1]["generator/restarts"] == 2
+
+
 def _checkpoint_model(run_dir: pathlib.Path, step: int) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
