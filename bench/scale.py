@@ -31,9 +31,10 @@ over the N, the controller's CPU split into per turn and per step (a least-squar
 field; ``--health-poll-s`` sets ``placement.health_poll_s`` (default 0: the run's auto poll; a
 long poll, 100, shows what Monarch's health checks cost the controller); ``--link-mbps`` sets
 ``TORCHTITAN_RL_SIMULATED_LINK_MBPS``, which paces each process's sends to a simulated NIC where
-the relay push reads it (on 2 cores, wall time cannot show network scaling otherwise). Before each N the bench estimates the memory it needs from the previous N and stops
-there (saying so) if this machine has not that much available; a failed N stops it too. Each job's
-console and logs go to ``<output-dir>/n<N>/``.
+the relay push reads it (on 2 cores, wall time cannot show network scaling otherwise). Before
+each N the bench estimates the memory it needs from the previous N and stops there (saying so)
+if this machine has not that much available; a failed N stops it too. Each job's console and
+logs go to ``<output-dir>/n<N>/``.
 
 The last line:
 ``controller_ms_per_turn=<largest N reached> busiest_sender_over_model=<max over N>
@@ -331,8 +332,9 @@ def main() -> None:
     parser.add_argument("--link-mbps", type=float, default=2.0,
                         help=f"sets {LINK_ENV} for the job (0: unset, no pacing)")
     parser.add_argument("--health-poll-s", type=float, default=0.0,
-                        help="placement.health_poll_s (0: the run's auto poll, N / 2 s in [2, 10]); "
-                             "a long poll (100) shows what Monarch's health checks cost")
+                        help="placement.health_poll_s (0: the run's auto poll, N / 2 s in "
+                             "[2, 10]); a long poll (100) shows what Monarch's health checks "
+                             "cost")
     parser.add_argument("--reserve-gib", type=float, default=4.0,
                         help="memory left to the rest of the machine: an N needing more stops")
     parser.add_argument("--timeout-s", type=float, default=1200.0, help="per N")

@@ -12,12 +12,12 @@ once, at start): spawn the procs on this host, one trivial actor each, answer on
 ``--idle-s`` of doing nothing, then SIGKILL one proc and time Monarch's failure report
 (``detect_s``: what the poll buys), then SIGKILL a second proc of the same proc mesh and time
 its report (``second_detect_s``; ``none``: no report within three polls + 40 s. Monarch reports
-a mesh's failure once, so a second rank lost from one actor mesh goes unreported, and calls to it
-never return: why each generator has an actor mesh of its own). ``--poll`` is Monarch's health poll interval
-(``placement.health_poll_s``; a run's default is N / 2 s for N generators, in [2, 10]; Monarch's
-own default is 10 s). Lines are key=value; the last one: ``per_mesh_ms_per_poll=<(CPU ms/s at
-the largest K - at K = 1) x poll s / (K - 1), layout meshes> per_shared_proc_ms_per_poll=<the
-same, layout shared>``.
+a mesh's failure once, so a second rank lost from one actor mesh goes unreported, and calls to
+it never return: why each generator has an actor mesh of its own). ``--poll`` is Monarch's
+health poll interval (``placement.health_poll_s``; a run's default is N / 2 s for N generators,
+in [2, 10]; Monarch's own default is 10 s). Lines are key=value; the last one:
+``per_mesh_ms_per_poll=<(CPU ms/s at the largest K - at K = 1) x poll s / (K - 1), layout
+meshes> per_shared_proc_ms_per_poll=<the same, layout shared>``.
 """
 
 from __future__ import annotations
