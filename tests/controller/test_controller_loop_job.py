@@ -1,7 +1,9 @@
 """The training loop end to end (real Monarch meshes, vLLM generators, torchtitan trainer):
 two staleness-0 (synchronous) runs of one seed are identical bit for bit; a SIGKILLed controller
-resumes without losing or repeating a prompt (its rollouts in the controller or in rollout workers); partial rollouts over two generators respect the
-staleness bound; a generator that dies fails the run with one clear error."""
+resumes without losing or repeating a prompt (its rollouts in the controller or in rollout
+workers); partial rollouts over two generators respect the staleness bound; a generator killed
+mid-step is replaced (and a second one lost from the shared proc mesh too), past its restarts it
+fails the run with one clear error."""
 
 from __future__ import annotations
 
