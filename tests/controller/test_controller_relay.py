@@ -21,7 +21,6 @@ CHUNK_BYTES = 64 << 10
 def _run_job(out: pathlib.Path, name: str, num_steps: int, *extra: str,
              fault: str | None = None) -> subprocess.CompletedProcess:
     env = env_without_faults(fault)
-    env["HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"] = "1s"  # see a killed proc in ~1 s
     return subprocess.run(
         [sys.executable, "-m", "tests.controller.run_tiny_job", str(out), name, str(num_steps),
          "--num-generators", "4", "--placement", "process", "--verify",
