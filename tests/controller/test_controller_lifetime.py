@@ -26,7 +26,17 @@ GONE_WITHIN_S = 60.0
 """The bound docs/fault_tolerance.md states: after the controller's end, its processes are gone
 within this long (attach: Monarch's orphan reaping, measured 30-45 s; the others: seconds)."""
 
-SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
+SLEEPER_CODE = "import time; print('up', flush=True); time.sleep(600)"
+SLEEPER = [sys.executable, "-c", SLEEPER_CODE]
+
+
+def _start(command: list[str], **kwargs) -> subprocess.Popen:
+    """Popen, returning once the child runs its own code. Popen returns when the child's exec
+    has begun, and the kernel sets /proc/<pid>/environ and cmdline a moment later: a scan in
+    between (a loaded box) would miss the child."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, **kwargs)
+    assert process.stdout.readline() == b"up\n"
+    return process
 
 
 def _alive(pids: dict[int, float]) -> list[int]:
@@ -72,9 +82,8 @@ def _kill_sessions(pids: dict[int, float]) -> None:
 # ---- the mechanisms (fast) --------------------------------------------------------------------
 def test_reap_ends_marked_processes_only():
     token = "t" + os.urandom(4).hex()
-    marked = subprocess.Popen(SLEEPER, env={**os.environ, RUN_TOKEN_ENV: token},
-                              start_new_session=True)
-    other = subprocess.Popen(SLEEPER, start_new_session=True)
+    marked = _start(SLEEPER, env={**os.environ, RUN_TOKEN_ENV: token}, start_new_session=True)
+    other = _start(SLEEPER, start_new_session=True)
     try:
         assert lifetime.marked_pids(token) == [marked.pid]
         assert lifetime.reap(token) == 1
@@ -101,8 +110,8 @@ def test_reap_removes_the_socket_folder_of_a_dead_controllers_process_job(tmp_pa
         if extra:
             (folder / extra).write_text("a user's file")
         folders.append(folder)
-    workers = [subprocess.Popen(
-        [sys.executable, "-c", f'import time; time.sleep(600)  # address="ipc://{f}/generators_0"'],
+    workers = [_start(
+        [sys.executable, "-c", f'{SLEEPER_CODE}  # address="ipc://{f}/generators_0"'],
         env={**os.environ, RUN_TOKEN_ENV: token}, start_new_session=True) for f in folders]
     try:
         assert lifetime.socket_dirs([w.pid for w in workers]) == set(folders)
@@ -119,8 +128,10 @@ CONTROLLER = """
 import os, subprocess, sys, time
 from torchtitan_rl.controller.lifetime import OrphanReaper
 reaper = OrphanReaper()
-host = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
-                        env={**os.environ, **reaper.env}, start_new_session=True)
+host = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"],
+                        env={**os.environ, **reaper.env}, start_new_session=True,
+                        stdout=subprocess.PIPE)
+assert host.stdout.readline() == b"up\\n"  # its environ is set: the reaper will find it
 print(reaper.pid, host.pid, flush=True)
 time.sleep(600)
 """
