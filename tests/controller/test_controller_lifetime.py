@@ -128,7 +128,7 @@ CONTROLLER = """
 import os, subprocess, sys, time
 from torchtitan_rl.controller.lifetime import OrphanReaper
 reaper = OrphanReaper()
-host = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"],
+host = subprocess.Popen([sys.executable, "-c", sys.argv[1]],  # SLEEPER_CODE
                         env={**os.environ, **reaper.env}, start_new_session=True,
                         stdout=subprocess.PIPE)
 assert host.stdout.readline() == b"up\\n"  # its environ is set: the reaper will find it
@@ -139,8 +139,8 @@ time.sleep(600)
 
 @pytest.mark.parametrize("end", [signal.SIGKILL, signal.SIGTERM])
 def test_the_reaper_ends_a_host_session_when_its_controller_dies(end):
-    controller = subprocess.Popen([sys.executable, "-c", CONTROLLER], cwd=REPO_ROOT,
-                                  stdout=subprocess.PIPE, text=True)
+    controller = subprocess.Popen([sys.executable, "-c", CONTROLLER, SLEEPER_CODE],
+                                  cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
     sidecar, host = (int(pid) for pid in controller.stdout.readline().split())
     pids = {pid: psutil.Process(pid).create_time() for pid in (sidecar, host)}
     try:
