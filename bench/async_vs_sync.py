@@ -70,10 +70,10 @@ from torchtitan_rl.generator.generator import Generator  # noqa: E402
 from torchtitan_rl.rollout.message_env import EnvStep, Message, MessageEnv  # noqa: E402
 from torchtitan_rl.rollout.rollouter import Rollouter  # noqa: E402
 from torchtitan_rl.task import TaskConfig  # noqa: E402
+from torchtitan_rl.train import main  # noqa: E402
 from torchtitan_rl.trainer.batcher import Batcher  # noqa: E402
 from torchtitan_rl.trainer.core import OptimizerConfig  # noqa: E402
 from torchtitan_rl.trainer.trainer import PolicyTrainer  # noqa: E402
-from torchtitan_rl.train import main  # noqa: E402
 from torchtitan_rl.types import Sampling  # noqa: E402
 
 logger = logging.getLogger("bench.async_vs_sync")

@@ -58,7 +58,11 @@ def cli(argv: list[str] | None = None) -> None:
         print_help(argv, usage=USAGE, description=DESCRIPTION, global_options=GLOBAL_OPTIONS)
         return
     from torchtitan_rl.config.manager import (
-        config_error_line, config_to_toml, log_level, parse_args)
+        config_error_line,
+        config_to_toml,
+        log_level,
+        parse_args,
+    )
     from torchtitan_rl.controller.job import RLJob
     from torchtitan_rl.controller.torchrun import run_follower, run_rank0, torchrun_rank
 

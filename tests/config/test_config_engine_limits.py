@@ -13,9 +13,9 @@ import dataclasses
 
 import pytest
 
-from torchtitan_rl.controller.engine_limits import check_engine_values, kv_cache_bytes_needed
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.config.manager import parse_args
+from torchtitan_rl.controller.engine_limits import check_engine_values, kv_cache_bytes_needed
 from torchtitan_rl.controller.job import RLJob
 from torchtitan_rl.controller.resolved_job import ResolvedJob
 
@@ -115,8 +115,8 @@ def test_a_mixed_pool_is_checked_per_tensor_parallel_degree():
 
 
 def test_the_cpu_block_size_rule_is_vllms():
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     from torchtitan_rl.controller.engine_limits import CPU_BLOCK_MULTIPLE
 

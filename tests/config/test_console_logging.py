@@ -314,8 +314,8 @@ def test_a_real_actor_error_through_the_run_guard_is_one_line(tmp_path, capsys, 
     gets is what `guarded` prints, in one line, the traceback in the log file."""
     import asyncio
 
-    from torchtitan_rl.train import guarded
     from tests.config.raising_actor import call_raising_actor
+    from torchtitan_rl.train import guarded
 
     log_file = console.setup_run_logging(tmp_path / "run", "info", redirect=False)
     assert guarded(lambda: asyncio.run(call_raising_actor())) == 1

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from torchtitan_rl.train import main
-
 from tests.controller.jobs import tiny_job
+from torchtitan_rl.train import main
 
 
 @pytest.fixture(scope="session")

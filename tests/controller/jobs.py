@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 
+from tests.controller.letter_task import LetterTask
 from torchtitan_rl.controller.checkpointer import Checkpointer
 from torchtitan_rl.controller.job import RLJob
 from torchtitan_rl.controller.loop import TrainingLoop
@@ -21,8 +22,6 @@ from torchtitan_rl.trainer.core import OptimizerConfig
 from torchtitan_rl.trainer.loss import GRPOLoss
 from torchtitan_rl.trainer.trainer import PolicyTrainer
 from torchtitan_rl.types import Sampling
-
-from tests.controller.letter_task import LetterTask
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 

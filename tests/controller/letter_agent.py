@@ -38,7 +38,7 @@ async def run(episode: str, client: openai.AsyncOpenAI) -> float:
     if rollout == 0:
         await _check_errors(client, base_url)
     tools = {"tools": [COUNT_TOOL]} if rollout == 1 else {}
-    for turn in range(2):
+    for _ in range(2):
         response = await client.chat.completions.create(
             model="policy", messages=messages, extra_body={"return_token_ids": True}, **tools)
         choice = response.choices[0]

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from tests.controller.letter_task import LetterEnv
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.rollout.message_env import EnvStep, Message
 from torchtitan_rl.task import TaskConfig
-
-from tests.controller.letter_task import LetterEnv
 
 
 def letter_share(reply: str) -> float:

@@ -13,11 +13,10 @@ import logging
 import pathlib
 import sys
 
-from torchtitan_rl.controller.placement import Placement
-from torchtitan_rl.train import run_and_report
-
 from tests.controller.jobs import tiny_job
 from tests.controller.letter_task import LetterTask
+from torchtitan_rl.controller.placement import Placement
+from torchtitan_rl.train import run_and_report
 
 
 def run(argv: list[str] | None = None) -> None:

@@ -16,6 +16,10 @@ import pathlib
 
 import pytest
 
+from tests.controller import letter_agent
+from tests.controller.jobs import read_metrics, tiny_job
+from tests.controller.letter_task import LetterTask
+from tests.controller.test_controller_multi_turn_job import STOP_TOKEN_IDS, _received_samples
 from torchtitan_rl.controller.checkpointer import Checkpointer
 from torchtitan_rl.controller.validation import VALIDATION_GROUP_OFFSET, Validator
 from torchtitan_rl.generator.generator import Generator
@@ -24,11 +28,6 @@ from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.train import main
 from torchtitan_rl.trainer.batcher import Batcher
 from torchtitan_rl.types import Sampling
-
-from tests.controller import letter_agent
-from tests.controller.jobs import read_metrics, tiny_job
-from tests.controller.letter_task import LetterTask
-from tests.controller.test_controller_multi_turn_job import STOP_TOKEN_IDS, _received_samples
 
 pytestmark = pytest.mark.slow  # a whole job
 

@@ -9,9 +9,8 @@ import math
 
 import pytest
 
-from torchtitan_rl.train import main
-
 from tests.controller.jobs import read_metrics, tiny_job
+from torchtitan_rl.train import main
 
 pytestmark = pytest.mark.slow  # a whole job (and a GPU)
 

@@ -6,10 +6,9 @@ import asyncio
 
 import pytest
 
-from torchtitan_rl.types import GenerateRequest
-
 from torchtitan_rl.controller.idle_ratios import BusyClock, IdleRatios
 from torchtitan_rl.controller.router import GeneratorRouter
+from torchtitan_rl.types import GenerateRequest
 
 
 class FakeClock:

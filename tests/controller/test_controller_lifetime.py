@@ -17,10 +17,9 @@ import time
 import psutil
 import pytest
 
+from tests.controller.jobs import REPO_ROOT, env_without_faults
 from torchtitan_rl.controller import lifetime
 from torchtitan_rl.controller.lifetime import RUN_TOKEN_ENV, RunStopped, run_stoppable
-
-from tests.controller.jobs import REPO_ROOT, env_without_faults
 
 GONE_WITHIN_S = 60.0
 """The bound docs/fault_tolerance.md states: after the controller's end, its processes are gone

@@ -18,12 +18,6 @@ import sys
 import pytest
 import torch
 
-from torchtitan_rl.controller.data_cursor import DataCursor
-from torchtitan_rl.controller.job import RLJob
-from torchtitan_rl.controller.loop import TrainingLoop
-from torchtitan_rl.controller.router import GeneratorRouter
-from torchtitan_rl.train import main
-
 from tests.controller.jobs import (
     REPO_ROOT,
     assert_every_group_trained_once,
@@ -33,6 +27,11 @@ from tests.controller.jobs import (
     run_killing_generator_0,
     tiny_job,
 )
+from torchtitan_rl.controller.data_cursor import DataCursor
+from torchtitan_rl.controller.job import RLJob
+from torchtitan_rl.controller.loop import TrainingLoop
+from torchtitan_rl.controller.router import GeneratorRouter
+from torchtitan_rl.train import main
 
 
 @pytest.mark.slow

@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from tests.controller.jobs import REPO_ROOT, read_metrics, tiny_job
+from tests.controller.multi_turn_letter_task import MultiTurnLetterTask, env_message
 from torchtitan_rl.controller.checkpointer import Checkpointer
 from torchtitan_rl.controller.validation import Validator
 from torchtitan_rl.generator.generator import Generator
@@ -25,9 +27,6 @@ from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.train import main
 from torchtitan_rl.trainer.batcher import Batcher
 from torchtitan_rl.types import Sampling
-
-from tests.controller.jobs import REPO_ROOT, read_metrics, tiny_job
-from tests.controller.multi_turn_letter_task import MultiTurnLetterTask, env_message
 
 pytestmark = pytest.mark.slow  # a whole job
 

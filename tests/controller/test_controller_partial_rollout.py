@@ -74,7 +74,13 @@ def test_a_pull_mid_request_with_abort_resumes_on_the_new_weights_on_real_vllm(t
     aborted piece followed by exactly what a fresh engine on the new weights generates from
     prompt + that piece, each token with the version and logprob of the weights that made it."""
     from tests.generator.generator_testlib import (
-        build_engine, greedy, new_loop, perturbed_model_dir, raw_generate, tiny_config, tiny_dir,
+        build_engine,
+        greedy,
+        new_loop,
+        perturbed_model_dir,
+        raw_generate,
+        tiny_config,
+        tiny_dir,
     )
 
     new_weights = perturbed_model_dir(tiny_dir(), tmp_path / "new")

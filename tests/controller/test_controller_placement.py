@@ -15,11 +15,6 @@ import sys
 
 import pytest
 
-from torchtitan_rl.config.errors import ConfigError
-from torchtitan_rl.controller.cluster_jobs import SlurmPlacement, slurm_job_kwargs
-from torchtitan_rl.controller.placement import Placement
-from torchtitan_rl.train import main
-
 from tests.controller.jobs import (
     REPO_ROOT,
     LogWatch,
@@ -27,6 +22,10 @@ from tests.controller.jobs import (
     read_metrics,
     tiny_job,
 )
+from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.controller.cluster_jobs import SlurmPlacement, slurm_job_kwargs
+from torchtitan_rl.controller.placement import Placement
+from torchtitan_rl.train import main
 
 TINY_MODEL_BYTES = 558_848
 """One push of the tiny model's weights (float32; its tied embedding and output head once)."""

@@ -20,6 +20,13 @@ import sys
 
 import pytest
 
+from tests.controller.jobs import (
+    REPO_ROOT,
+    assert_every_group_trained_once,
+    env_without_faults,
+    read_metrics,
+    run_killing_generator_0,
+)
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.config.manager import parse_args
 from torchtitan_rl.controller.job import RLJob
@@ -29,14 +36,6 @@ from torchtitan_rl.controller.worker_link import RolloutWorkerLostError
 from torchtitan_rl.controller.worker_pool import RolloutWorkerPool, WorkerAssigner
 from torchtitan_rl.generator import GeneratorLostError
 from torchtitan_rl.types import Sampling
-
-from tests.controller.jobs import (
-    REPO_ROOT,
-    assert_every_group_trained_once,
-    env_without_faults,
-    read_metrics,
-    run_killing_generator_0,
-)
 
 
 # ---- fast: assignment ------------------------------------------------------------------------------

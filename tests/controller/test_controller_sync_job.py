@@ -13,12 +13,11 @@ import sys
 import pytest
 import torch
 
+from tests.controller.jobs import REPO_ROOT, read_hf_weights, read_metrics, tiny_job
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.config.manager import parse_args
 from torchtitan_rl.controller.job import RLJob
 from torchtitan_rl.train import main
-
-from tests.controller.jobs import REPO_ROOT, read_hf_weights, read_metrics, tiny_job
 
 
 @pytest.fixture

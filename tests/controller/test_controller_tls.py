@@ -19,12 +19,11 @@ import threading
 
 import pytest
 
+from tests.controller.jobs import REPO_ROOT, read_metrics, tiny_job
 from torchtitan_rl import tls
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.controller import attach_tls
 from torchtitan_rl.controller.placement import Placement
-
-from tests.controller.jobs import REPO_ROOT, read_metrics, tiny_job
 
 TINY_MODEL_BYTES = 558_848
 
@@ -53,6 +52,7 @@ def other_certs(tmp_path_factory) -> pathlib.Path:
 
 def test_certificates_chain_to_the_job_ca_and_name_the_hosts(certs, other_certs):
     from cryptography import x509
+    from cryptography.exceptions import InvalidSignature
     from cryptography.x509.oid import ExtendedKeyUsageOID
 
     ca = _load(certs, tls.CA_CERT)
@@ -60,7 +60,7 @@ def test_certificates_chain_to_the_job_ca_and_name_the_hosts(certs, other_certs)
     for name in (tls.WORKER_CERT, tls.CLIENT_CERT):
         cert = _load(certs, name)
         cert.verify_directly_issued_by(ca)  # raises if the signature or issuer is wrong
-        with pytest.raises(Exception):
+        with pytest.raises(InvalidSignature):  # another job's CA (same name, other key)
             cert.verify_directly_issued_by(_load(other_certs, tls.CA_CERT))
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         assert sans.get_values_for_type(x509.IPAddress) == [

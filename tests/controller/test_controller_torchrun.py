@@ -11,9 +11,8 @@ import sys
 
 import pytest
 
-from torchtitan_rl.controller.checkpointer import latest_complete_checkpoint
-
 from tests.controller.jobs import REPO_ROOT, read_metrics
+from torchtitan_rl.controller.checkpointer import latest_complete_checkpoint
 
 pytestmark = pytest.mark.slow  # torchrun ranks running a job
 

@@ -60,7 +60,7 @@ def test_200_concurrent_generates_resolve_with_the_raw_engine_tokens(engine: Any
     completions = run(scenario())
     reference = raw_generate(engine, requests)
     assert len(completions) == 200
-    for (rid, prompt, sampling), completion in zip(requests, completions):
+    for (rid, prompt, _), completion in zip(requests, completions):
         assert completion is not None and completion.request_id == rid
         assert completion.prompt_token_ids == prompt
         assert completion.token_ids == list(reference[rid].token_ids)

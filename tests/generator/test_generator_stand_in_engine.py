@@ -10,13 +10,11 @@ import time
 import pytest
 import torch
 
-from torchtitan_rl.generator import Generator
-from torchtitan_rl.generator import start_engine_loop
+from tests.generator.generator_testlib import req, run, tiny_config, tiny_dir
+from torchtitan_rl.generator import Generator, start_engine_loop
 from torchtitan_rl.generator.stand_in_engine import StandInEngine
 from torchtitan_rl.types import Sampling
 from torchtitan_rl.weight_sync import weight_mismatches
-
-from tests.generator.generator_testlib import req, run, tiny_config, tiny_dir
 
 FAST = 1e6
 """tokens/s: pacing out of the way."""

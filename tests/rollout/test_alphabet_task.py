@@ -7,8 +7,8 @@ import pickle
 import pytest
 from rollout_testlib import run
 
-from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask
 from torchtitan_rl.assets.names import NameBank
+from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask
 from torchtitan_rl.examples.alphabet_sort.episode import sort_key
 from torchtitan_rl.examples.alphabet_sort.reward import NEW_NAME_MARK
 

@@ -186,7 +186,7 @@ def test_alphabet_sort_agent_plays_the_message_env_episode_token_for_token() -> 
                                      credit="turn").build(tokenizer=tiny_tokenizer(),
                                                           make_env=make_env)
 
-        async def main() -> Any:
+        async def main(rollouter: Rollouter = rollouter) -> Any:
             try:
                 return await rollouter.run_group_rollouts(ScriptedGenerate(oracle), episode, 2,
                                                           sampling=Sampling(max_tokens=200))

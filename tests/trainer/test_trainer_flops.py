@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.trainer.test_trainer_checkpoint import _batch, model_dir  # noqa: F401 (fixture)
 from torchtitan_rl.trainer.core import PolicyTrainerCore
 from torchtitan_rl.trainer.flops import flops_per_token, measure_peak_flops
-
-from tests.trainer.test_trainer_checkpoint import _batch, model_dir  # noqa: F401 (fixture)
 
 
 def test_flops_per_token_is_torchtitans_dense_formula(model_dir):  # noqa: F811

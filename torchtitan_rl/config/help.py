@@ -231,7 +231,12 @@ def live_sections(root: str, task_type: str | None) -> list[Section]:
     import importlib
 
     from torchtitan_rl.config.convert import (
-        import_config_class, is_config_class, is_polymorphic, resolved_fields, type_name)
+        import_config_class,
+        is_config_class,
+        is_polymorphic,
+        resolved_fields,
+        type_name,
+    )
 
     module_name, _, qualname = root.partition(":")
     root_cls: Any = importlib.import_module(module_name)

@@ -85,7 +85,7 @@ class ControllerState:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_json(cls, text: str, source: str) -> "ControllerState":
+    def from_json(cls, text: str, source: str) -> ControllerState:
         try:
             data = json.loads(text)
             data["in_flight"] = [tuple(x) for x in data["in_flight"]]

@@ -8,7 +8,6 @@ prompt (and, with request seeds derived from the group id, the same samples).
 
 from __future__ import annotations
 
-import functools
 import random
 
 
@@ -19,13 +18,17 @@ class DataCursor:
         self.num_prompts = num_prompts
         self.seed = seed
         self.shuffle = shuffle
+        self._orders: dict[int, tuple[int, ...]] = {}  # the last few epochs' orders
 
-    @functools.lru_cache(maxsize=4)
     def _epoch_order(self, epoch: int) -> tuple[int, ...]:
-        order = list(range(self.num_prompts))
-        if self.shuffle:
-            random.Random(f"{self.seed}/epoch={epoch}").shuffle(order)
-        return tuple(order)
+        if epoch not in self._orders:
+            order = list(range(self.num_prompts))
+            if self.shuffle:
+                random.Random(f"{self.seed}/epoch={epoch}").shuffle(order)
+            if len(self._orders) >= 4:
+                del self._orders[min(self._orders)]
+            self._orders[epoch] = tuple(order)
+        return self._orders[epoch]
 
     def prompt_index(self, group_id: int) -> int:
         """The dataset index of the prompt that group ``group_id`` rolls out."""

@@ -212,8 +212,10 @@ class GeneratorPool:
                     logger.warning("relay v%d: attempt %d to %s", version, attempt,
                                    ",".join(h.name for h in chain))
 
-                async def pulled(position: int, result: dict[str, float]) -> None:
-                    await self._pulled(indices[position], version, result["sent_bytes"], push)
+                async def pulled(position: int, result: dict[str, float],
+                                 chain_indices: list[int] = indices) -> None:
+                    await self._pulled(chain_indices[position], version, result["sent_bytes"],
+                                       push)
 
                 missed = await relay_once(self.trainer, chain, version, attempt, push, pulled)
                 indices = [indices[p] for p in missed]

@@ -45,13 +45,13 @@ from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.config.run_name import check_run_name
 from torchtitan_rl.console import short_report
 from torchtitan_rl.controller.checkpointer import Checkpointer, ControllerState
-from torchtitan_rl.controller.resume_config import flat_config
 from torchtitan_rl.controller.lifetime import run_stoppable
 from torchtitan_rl.controller.loop import TrainingLoop
 from torchtitan_rl.controller.model_source import ModelSource
-from torchtitan_rl.controller.placement import Placement
 from torchtitan_rl.controller.parts import RunParts
+from torchtitan_rl.controller.placement import Placement
 from torchtitan_rl.controller.resolved_job import ResolvedJob
+from torchtitan_rl.controller.resume_config import flat_config
 from torchtitan_rl.controller.router import GeneratorRouter
 from torchtitan_rl.controller.spawn import SpawnTrainer, build_parts
 from torchtitan_rl.controller.supervision import MeshFailureWatch, RunFailedError

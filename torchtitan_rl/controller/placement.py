@@ -174,7 +174,7 @@ class Placement(Configurable):
                     await _start_simulated_hosts(job, c.host_timeout_s)
                 state = await asyncio.wait_for(
                     asyncio.to_thread(job.state, cached_path=None), c.host_timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise HostUnreachableError(
                     f"placement.kind={c.kind}: the job's hosts were not allocated and up after "
                     f"{c.host_timeout_s:g} s (placement.host_timeout_s)") from None
@@ -218,7 +218,7 @@ class RunHosts:
         for name, mesh in (("trainer", self.trainer), ("generators", self.generators)):
             try:
                 await asyncio.wait_for(mesh.initialized, timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise HostUnreachableError(
                     f"{what}: the {name} hosts were not up after {timeout_s:g} s "
                     f"(placement.host_timeout_s)") from None
@@ -322,7 +322,7 @@ async def _probe(key: str, address: str, timeout_s: float) -> None:
             _, writer = await asyncio.wait_for(
                 asyncio.open_connection(parsed.hostname, parsed.port),
                 max(0.1, deadline - loop.time()))
-        except (OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError) as e:
             if isinstance(e, ConnectionRefusedError) and loop.time() + 0.2 < deadline:
                 await asyncio.sleep(0.2)  # polling a socket that is not open yet
                 continue

@@ -16,9 +16,9 @@ import json
 import pathlib
 from typing import ClassVar
 
-from torchtitan_rl.controller.engine_limits import check_engine_values
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.controller.checkpointer import Checkpointer
+from torchtitan_rl.controller.engine_limits import check_engine_values
 from torchtitan_rl.controller.loop import TrainingLoop
 from torchtitan_rl.controller.placement import Placement
 from torchtitan_rl.controller.router import GeneratorRouter
@@ -153,7 +153,7 @@ class ResolvedJob:
             raise ConfigError(
                 f"rollouter.num_workers={self.rollouter.num_workers}: each rollout worker serves "
                 f"its own agent endpoint, on a free port: task.port must be 0, got "
-                f"{getattr(self.task, 'port')}"
+                f"{self.task.port}"
             )
         self.placement.check(num_generators=len(self.generators),
                              num_trainer_ranks=self.num_trainer_ranks)

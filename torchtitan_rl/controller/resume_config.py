@@ -42,7 +42,12 @@ def flat_config(config: Any) -> dict[str, Any]:
     """A config tree as ``{dotted.key: value}`` (TOML-able values, None kept; a polymorphic field
     gives its ``type`` key): what is saved with each checkpoint and compared on resume."""
     from torchtitan_rl.config.convert import (
-        is_config_class, is_polymorphic, resolved_fields, to_data, type_path_of)
+        is_config_class,
+        is_polymorphic,
+        resolved_fields,
+        to_data,
+        type_path_of,
+    )
 
     out: dict[str, Any] = {}
 

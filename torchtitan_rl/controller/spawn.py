@@ -26,10 +26,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from torchtitan_rl.controller.checkpointer import Checkpointer
-from torchtitan_rl.controller.placement import RunHosts
 from torchtitan_rl.controller.data_cursor import DataCursor
 from torchtitan_rl.controller.generator_pool import GeneratorPool
 from torchtitan_rl.controller.parts import RunParts
+from torchtitan_rl.controller.placement import RunHosts
 from torchtitan_rl.controller.resolved_job import ResolvedJob
 from torchtitan_rl.controller.rollout_worker import RolloutWorkerSpec
 from torchtitan_rl.controller.worker_pool import RolloutWorkerPool

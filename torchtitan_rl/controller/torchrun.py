@@ -42,8 +42,7 @@ import logging
 import os
 import pathlib
 import time
-from collections.abc import Iterator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -57,9 +56,9 @@ from torchtitan_rl.trainer.batcher import Batcher
 from torchtitan_rl.trainer.core import PolicyTrainerCore
 from torchtitan_rl.trainer.parallel import init_trainer_distributed, resolve_device_type
 from torchtitan_rl.trainer.trainer import TrainerClient, sender_totals
+from torchtitan_rl.types import TrainingSample
 from torchtitan_rl.weight_sync.push import WeightPusher
 from torchtitan_rl.weight_sync.relay import LinkPacer, relay_chunks, send_chunks
-from torchtitan_rl.types import TrainingSample
 from torchtitan_rl.weight_sync.shared_memory import machine_id
 
 logger = logging.getLogger(__name__)

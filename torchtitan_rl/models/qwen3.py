@@ -42,7 +42,6 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config

@@ -188,7 +188,8 @@ class EpisodeCapture:
             completion = await call
         except asyncio.CancelledError:
             if self.ended:
-                raise EpisodeError(409, "the episode ended while this call was generating")
+                raise EpisodeError(
+                    409, "the episode ended while this call was generating") from None
             raise
         except Exception as e:
             self.infra_error = self.infra_error or e

@@ -60,5 +60,5 @@ class MessageEnv(abc.ABC):
         (what the default score sums)."""
         return [float(sum(parts.values())) for parts in reward_parts]
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 (optional hook: most envs hold nothing)
         """Release what the env holds. Default: nothing. Must be idempotent."""

@@ -164,7 +164,10 @@ class WeightPuller:
         return self._expected
 
     def _to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        from torchtitan_rl.models.qwen3 import hf_state_dict_from_torchtitan, torchtitan_qwen3_config
+        from torchtitan_rl.models.qwen3 import (
+            hf_state_dict_from_torchtitan,
+            torchtitan_qwen3_config,
+        )
 
         if self._model_config is None:
             self._model_config = torchtitan_qwen3_config(self.model_dir)

@@ -18,11 +18,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, overload
 
-from torchtitan_rl.examples.alphabet_sort.env import AlphabetSortEnv
-from torchtitan_rl.examples.alphabet_sort.episode import AlphabetSortEpisode, EpisodeShape, make_episode
-from torchtitan_rl.examples.alphabet_sort.solutions import solved_conversation
 from torchtitan_rl.assets.names import NameBank
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.examples.alphabet_sort.env import AlphabetSortEnv
+from torchtitan_rl.examples.alphabet_sort.episode import (
+    AlphabetSortEpisode,
+    EpisodeShape,
+    make_episode,
+)
+from torchtitan_rl.examples.alphabet_sort.solutions import solved_conversation
 from torchtitan_rl.rollout.message_env import Message
 from torchtitan_rl.task import TaskConfig
 
