@@ -10,6 +10,7 @@ import pathlib
 import shlex
 import subprocess
 import sys
+import time
 import types
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, NoReturn
@@ -30,6 +31,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# ---- the suite's time budget (docs/testing.md) ----
+# Compared at the end of a run of the whole suite or of the fast tier: a warning, not a failure
+# (boxes differ), so that growth is seen in the run that caused it.
+WHOLE_SUITE_BUDGET_S = 720.0
+FAST_TIER_BUDGET_S = 120.0
+_SESSION_START = time.monotonic()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _SESSION_START
+    _SESSION_START = time.monotonic()
+
+
+@pytest.hookimpl(trylast=True)  # after the durations report: the run's last lines
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    wall_s = time.monotonic() - _SESSION_START
+    if config.args_source != pytest.Config.ArgsSource.TESTPATHS or config.getoption("keyword"):
+        terminalreporter.write_line(f"wall time {wall_s:.0f} s (a selection: no budget)")
+        return
+    markexpr = config.getoption("markexpr")
+    budget_s, tier = {"": (WHOLE_SUITE_BUDGET_S, "whole suite"),
+                      "not slow": (FAST_TIER_BUDGET_S, "fast tier")}.get(markexpr, (None, None))
+    if budget_s is None:
+        terminalreporter.write_line(f"wall time {wall_s:.0f} s (-m {markexpr!r}: no budget)")
+    elif wall_s > budget_s:
+        terminalreporter.write_line(
+            f"WARNING: wall time {wall_s:.0f} s is over the {tier}'s budget of {budget_s:.0f} s "
+            "(docs/testing.md): find what grew in the slowest tests above", yellow=True, bold=True)
+    else:
+        terminalreporter.write_line(
+            f"wall time {wall_s:.0f} s, within the {tier}'s budget of {budget_s:.0f} s", green=True)
 
 
 @pytest.fixture(scope="session")

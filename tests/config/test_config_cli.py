@@ -115,17 +115,34 @@ def test_malformed_toml_names_file_and_line(tmp_path):
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m torchtitan_rl.train ARGS`` in a process of its own (its exit code, streams)."""
     return subprocess.run(
         [sys.executable, "-m", "torchtitan_rl.train", *args],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )
 
 
-@pytest.mark.slow
+def _call_cli(capsys, monkeypatch, *args: str) -> subprocess.CompletedProcess:
+    """The same command's ``cli()`` in this process, from the repository root: its exit code
+    (SystemExit's, 0 when it returns) and what it printed. The printing commands start nothing,
+    so a process of their own would only pay the imports again."""
+    from torchtitan_rl.train import cli
+
+    monkeypatch.chdir(REPO_ROOT)
+    capsys.readouterr()
+    try:
+        cli(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["torchtitan_rl.train", *args], code, out, err)
+
+
 @pytest.mark.parametrize("run_config", sorted(
     str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "run_configs").glob("*.toml")))
-def test_cli_print_config_exits_zero_with_loadable_toml(run_config):
-    proc = _run_cli("--config", run_config, "--print-config")
+def test_cli_print_config_exits_zero_with_loadable_toml(run_config, capsys, monkeypatch):
+    proc = _call_cli(capsys, monkeypatch, "--config", run_config, "--print-config")
     assert proc.returncode == 0, proc.stderr
     assert config_from_toml_text(RLJob.Config, proc.stdout) == _resolve_from_root(
         ["--config", run_config]
@@ -196,9 +213,8 @@ def test_moved_keys_say_what_to_write(tmp_path, text, message):
         parse_args(RLJob.Config, ["--loop.prompts_per_step", "4"])
 
 
-@pytest.mark.slow
-def test_print_resolved_shows_what_each_part_gets():
-    proc = _run_cli("--config", "run_configs/alphabet_sort_cpu.toml", "--seed", "7",
+def test_print_resolved_shows_what_each_part_gets(capsys, monkeypatch):
+    proc = _call_cli(capsys, monkeypatch, "--config", "run_configs/alphabet_sort_cpu.toml", "--seed", "7",
                     "--warm_start.enabled", "false", "--print-resolved")
     assert proc.returncode == 0, proc.stderr
     import tomli
@@ -211,6 +227,6 @@ def test_print_resolved_shows_what_each_part_gets():
     assert resolved["sampling"]["seed"] == 7
     assert resolved["task"]["type"] == "torchtitan_rl.examples.alphabet_sort.task:AlphabetSortTask"
     # and --print-config still prints what the user wrote: no derived values
-    written = tomli.loads(_run_cli("--config", "run_configs/alphabet_sort_cpu.toml",
-                                   "--print-config").stdout)
+    written = tomli.loads(_call_cli(capsys, monkeypatch, "--config",
+                                    "run_configs/alphabet_sort_cpu.toml", "--print-config").stdout)
     assert "model_dir" not in written["generator"]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from monarch.actor import ActorError, ProcMesh
 
@@ -71,16 +71,15 @@ LOST_REASON_CHARS = 100
 
 class GeneratorPool:
     def __init__(self, configs: list[Generator.Config], router_config: GeneratorRouter.Config, *,
-                 trainer: TrainerClient, hosts: RunHosts, weight_transport: str,
-                 abort_on_pull: bool, policy_version: int,
-                 on_fatal: Callable[[str], None]) -> None:
+                 hosts: RunHosts, weight_transport: str, abort_on_pull: bool,
+                 policy_version: int, on_fatal: Callable[[str], None]) -> None:
         """``hosts``: where each generator lives (placement.py); ``weight_transport``: the
         trainer's setting (auto | message | shared_memory); ``policy_version``: the version the
         generators start with (the trainer's weights); ``on_fatal``: how a failed replacement
-        fails the run (supervision.MeshFailureWatch)."""
+        fails the run (supervision.MeshFailureWatch). The trainer comes with ``spawn``."""
         self.configs = configs
         self.router_config = router_config
-        self.trainer = trainer
+        self.trainer: TrainerClient
         self.hosts = hosts
         self.weight_transport = weight_transport
         self.abort_on_pull = abort_on_pull
@@ -104,16 +103,25 @@ class GeneratorPool:
         self.shared_procs: ProcMesh | None = None
         """The first generators' one proc mesh (None: a mesh each); stopped at close."""
 
-    async def spawn(self) -> GenerateFn:
-        """Spawn every generator; returns the GenerateFn the rollouts call: the router over
-        them, behind a ResumingGenerateFn with partial rollouts."""
+    async def spawn(self, trainer: Awaitable[TrainerClient]) -> GenerateFn:
+        """Spawn every generator while ``trainer`` (the trainer's spawn, started by the caller)
+        comes up: the two start-ups overlap, and each generator's weight transport is chosen
+        once both are up. Returns the GenerateFn the rollouts call: the router over them,
+        behind a ResumingGenerateFn with partial rollouts. The caller closes ``trainer``."""
         try:
             shared = spawn_generator_procs(self.configs, self.hosts)
             if shared is not None:
                 self.shared_procs, proc_of = shared
             for index in range(len(self.configs)):
-                self.handles.append(await self._spawn(
-                    index, f"generator_{index}", procs=proc_of(index) if shared else None))
+                self.handles.append(await spawn_generator(
+                    self.configs[index], name=f"generator_{index}",
+                    host=self.hosts.generator_host(index),
+                    procs=proc_of(index) if shared else None, on_lost=self._on_handle_lost))
+            self.trainer = await trainer
+            for handle in self.handles:
+                handle.weight_transport, why = self._transport_for(handle)
+                logger.info("%s: weight pushes by %s (%s)", handle.name, handle.weight_transport,
+                            why)
         except BaseException:
             await self.close()
             raise
@@ -123,15 +131,13 @@ class GeneratorPool:
             return self.resuming
         return self.router
 
-    async def _spawn(self, index: int, name: str,
-                     procs: ProcMesh | None = None) -> GeneratorHandle:
-        """Generator ``index`` on ``procs`` or on its host, with its weight transport chosen."""
+    async def _spawn(self, index: int, name: str) -> GeneratorHandle:
+        """A replacement for generator ``index`` on its host (a mesh of its own), with the weight
+        transport its first one had."""
         handle = await spawn_generator(self.configs[index], name=name,
-                                       host=self.hosts.generator_host(index), procs=procs,
+                                       host=self.hosts.generator_host(index),
                                        on_lost=self._on_handle_lost)
-        handle.weight_transport, why = self._transport_for(handle)
-        if name == f"generator_{index}":  # once: a replacement lives where its first one did
-            logger.info("%s: weight pushes by %s (%s)", name, handle.weight_transport, why)
+        handle.weight_transport, _ = self._transport_for(handle)
         return handle
 
     def _transport_for(self, handle: GeneratorHandle) -> tuple[WeightTransport, str]:

@@ -21,6 +21,7 @@ Where the run's meshes are spawned (GeneratorPool spawns and replaces the genera
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -69,25 +70,27 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
     rollouter = plan.rollouter.build(tokenizer=tokenizer, make_env=task.make_env)
     validator = plan.validation.build(rollouter=rollouter, dataset=task.dataset("validation"))
     cursor = DataCursor(num_prompts=len(task.dataset("train")), seed=plan.seed)
-    trainer: TrainerClient | None = None
     trainer_procs = None
     pool: GeneratorPool | None = None
     workers: RolloutWorkerPool | None = None
     hosts = await plan.placement.build().open(len(plan.generators))
+    if spawn_trainer is not None:
+        trainer_spawn = asyncio.ensure_future(spawn_trainer(
+            plan.trainer, model_dir, batcher=plan.batcher, verify_push=plan.verify_weight_push))
+    else:
+        trainer_procs = spawn_trainer_procs(plan, hosts)
+        trainer_spawn = asyncio.ensure_future(MonarchTrainerClient.spawn(
+            trainer_procs, plan.trainer, model_dir=model_dir, batcher=plan.batcher,
+            verify_push=plan.verify_weight_push))
     try:
-        if spawn_trainer is not None:
-            trainer = await spawn_trainer(plan.trainer, model_dir, batcher=plan.batcher,
-                                          verify_push=plan.verify_weight_push)
-        else:
-            trainer_procs = spawn_trainer_procs(plan, hosts)
-            trainer = await MonarchTrainerClient.spawn(
-                trainer_procs, plan.trainer, model_dir=model_dir, batcher=plan.batcher,
-                verify_push=plan.verify_weight_push)
-        pool = GeneratorPool(plan.generators, plan.router, trainer=trainer, hosts=hosts,
+        # The trainer and the generators start at once: their start-ups (imports, model
+        # builds, engines) are each one process's work, and the host has cores for both.
+        pool = GeneratorPool(plan.generators, plan.router, hosts=hosts,
                              weight_transport=plan.trainer.weight_transport,
                              abort_on_pull=partial_rollouts, policy_version=resume_step or 0,
                              on_fatal=on_fatal)
-        generate_fn = await pool.spawn()
+        generate_fn = await pool.spawn(trainer_spawn)
+        trainer = trainer_spawn.result()
         if plan.rollouter.num_workers:
             assert pool.router is not None
             spec = RolloutWorkerSpec(task=plan.task, rollouter=plan.rollouter, router=plan.router,
@@ -101,8 +104,11 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
             await workers.close()
         if pool is not None:
             await pool.close()
-        if trainer is not None:
-            await trainer.close()
+        if not trainer_spawn.done():
+            trainer_spawn.cancel()
+        await asyncio.wait([trainer_spawn])
+        if not trainer_spawn.cancelled() and trainer_spawn.exception() is None:
+            await trainer_spawn.result().close()
         elif trainer_procs is not None:
             await trainer_procs.stop()
         await hosts.close()
