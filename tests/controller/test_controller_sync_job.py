@@ -29,8 +29,10 @@ def uninterrupted_run(sync_tiny_run):
 def test_three_step_sync_run_logs_finite_metrics_tensorboard_and_checkpoints(uninterrupted_run):
     run_dir, summary = uninterrupted_run
     assert summary["steps"] == 3
-    assert summary["reward_before"] is not None and summary["reward_after"] is not None
     metrics = read_metrics(run_dir)
+    # the summary's rewards are the first and the last validation's, as logged
+    assert summary["reward_before"] == metrics[0]["validation/reward_mean"]
+    assert summary["reward_after"] == metrics[3]["validation/reward_mean"]
     for step in range(3):
         for key in ("loss/value", "loss/ratio_mean", "loss/clipped_frac", "rollout_reward/mean",
                     "rollout_reward/std", "rollout/num_turns", "batcher/pct_pad_in_batch",

@@ -38,10 +38,16 @@ def test_running_sum_toml_trains_two_steps_on_the_tiny_model(tmp_path, tiny_mode
     run_dir = tmp_path / "runs" / "running_sum"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == NUM_STEPS
-    assert 0.0 <= summary["reward_after"] <= 1.0
+    # the summary's reward is the last validation's, as logged
+    final_validation = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text()
+                        .splitlines() if "validation/reward_mean" in line][-1]
+    assert final_validation["step"] == NUM_STEPS
+    assert summary["reward_after"] == final_validation["validation/reward_mean"]
     # validation logs every reward part of every turn: closeness (the reward) and exact
     assert sorted(summary["reward_after_per_turn"]) == [
         "turn_1/closeness", "turn_1/exact", "turn_2/closeness", "turn_2/exact"]
+    for key, value in summary["reward_after_per_turn"].items():
+        assert final_validation[f"validation/{key}"] == value, key
     assert "reward_before=" in proc.stdout + proc.stderr
 
     # the warm start trained on the task's conversations and the run used it
