@@ -2,7 +2,7 @@
 fake meshes): one proc mesh over the generators' hosts, actor i on its own proc of its host, where
 the actors fill their hosts evenly; else a mesh each (and TP > 1 generators always). The real
 paths: four generators on simulated hosts sharing one mesh, one killed and replaced
-(test_controller_relay.py); a rollout worker on the shared mesh killed and replaced
+(tests/weight_sync/test_weight_sync_relay_job.py); a rollout worker on the shared mesh killed and replaced
 (test_controller_rollout_workers.py)."""
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def build_engine(config: Generator.Config) -> Any:
 def new_loop(engine: Any, config: Generator.Config, *, steps: list[StepStats] | None = None,
              **overrides: Any) -> EngineLoop:
     """An EngineLoop over an existing engine, started on the running event loop ('reload' pulls:
-    an in_place engine is set up by start_engine_loop, see test_generator_in_place_pull.py)."""
+    an in_place engine is set up by start_engine_loop, see tests/weight_sync/test_weight_sync_in_place_pull.py)."""
     puller = WeightPuller(config.model_dir)  # type: ignore[arg-type]
     kwargs: dict[str, Any] = dict(
         prepare_weights=puller.prepare,

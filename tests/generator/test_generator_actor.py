@@ -7,7 +7,8 @@ import asyncio
 import random
 
 import pytest
-from generator_testlib import (
+
+from tests.generator.generator_testlib import (
     build_engine,
     greedy,
     raw_generate,
@@ -16,7 +17,6 @@ from generator_testlib import (
     tiny_config,
     tiny_dir,
 )
-
 from torchtitan_rl.generator import spawn_generator
 from torchtitan_rl.models.qwen3 import (
     load_hf_state_dict,

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from generator_testlib import (
+
+from tests.generator.generator_testlib import (
     build_engine,
     greedy,
     new_loop,
@@ -20,7 +21,6 @@ from generator_testlib import (
     run,
     tiny_config,
 )
-
 from torchtitan_rl.generator import StepStats
 from torchtitan_rl.types import Completion, Sampling
 

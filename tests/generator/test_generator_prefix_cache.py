@@ -9,8 +9,16 @@ import random
 from typing import Any
 
 import pytest
-from generator_testlib import build_engine, greedy, new_loop, req, run, tiny_config, tiny_dir
 
+from tests.generator.generator_testlib import (
+    build_engine,
+    greedy,
+    new_loop,
+    req,
+    run,
+    tiny_config,
+    tiny_dir,
+)
 from torchtitan_rl.generator import StepStats, WeightSyncPolicy
 from torchtitan_rl.models.qwen3 import (
     load_hf_state_dict,

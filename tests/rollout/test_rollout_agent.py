@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from rollout_testlib import ScriptedGenerate, run, tiny_tokenizer
 
 from tests.controller.letter_task import LetterTask
+from tests.rollout.rollout_testlib import ScriptedGenerate, run, tiny_tokenizer
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask
 from torchtitan_rl.rollout import (

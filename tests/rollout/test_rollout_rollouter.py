@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from rollout_testlib import CountingEnv, ScriptedGenerate, run, tiny_tokenizer
 
+from tests.rollout.rollout_testlib import CountingEnv, ScriptedGenerate, run, tiny_tokenizer
 from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask
 from torchtitan_rl.rollout import (
     Rollouter,

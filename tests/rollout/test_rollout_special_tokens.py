@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-from rollout_testlib import CountingEnv, ScriptedGenerate, run, tiny_tokenizer
-
+from tests.rollout.rollout_testlib import CountingEnv, ScriptedGenerate, run, tiny_tokenizer
 from torchtitan_rl.rollout import Rollouter, rollout_metrics
 
 

@@ -14,8 +14,8 @@ import pathlib
 import tomllib
 
 import pytest
-from rollout_testlib import CountingEnv, ScriptedGenerate, run
 
+from tests.rollout.rollout_testlib import CountingEnv, ScriptedGenerate, run
 from torchtitan_rl.assets.tokenizer import CHAT_TEMPLATE
 from torchtitan_rl.config.manager import parse_args
 from torchtitan_rl.controller.job import RLJob, _warm_start_fingerprint

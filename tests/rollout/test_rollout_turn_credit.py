@@ -4,8 +4,8 @@ advantage of that turn's return, computed from `MessageEnv.turn_rewards`."""
 from __future__ import annotations
 
 import pytest
-from rollout_testlib import CountingEnv, ScriptedGenerate, run, tiny_tokenizer
 
+from tests.rollout.rollout_testlib import CountingEnv, ScriptedGenerate, run, tiny_tokenizer
 from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask
 from torchtitan_rl.rollout import Rollouter, RolloutStatus, rollout_group_to_training_samples
 from torchtitan_rl.types import Sampling

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from rollout_testlib import REPO_ROOT, run, tiny_tokenizer
 
+from tests.rollout.rollout_testlib import REPO_ROOT, run, tiny_tokenizer
 from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask
 from torchtitan_rl.rollout import (
     Rollouter,

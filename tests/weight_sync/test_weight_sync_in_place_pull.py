@@ -14,8 +14,15 @@ import pathlib
 from typing import Any
 
 import pytest
-from generator_testlib import greedy, perturbed_model_dir, req, run, tiny_config, tiny_dir
 
+from tests.generator.generator_testlib import (
+    greedy,
+    perturbed_model_dir,
+    req,
+    run,
+    tiny_config,
+    tiny_dir,
+)
 from torchtitan_rl.generator import WeightSyncPolicy, spawn_generator
 from torchtitan_rl.models.qwen3 import (
     load_hf_state_dict,

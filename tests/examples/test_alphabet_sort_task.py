@@ -5,8 +5,8 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from rollout_testlib import run
 
+from tests.rollout.rollout_testlib import run
 from torchtitan_rl.assets.names import NameBank
 from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask
 from torchtitan_rl.examples.alphabet_sort.episode import sort_key

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from generator_testlib import (
+
+from tests.generator.generator_testlib import (
     build_engine,
     greedy,
     new_loop,
@@ -26,7 +27,6 @@ from generator_testlib import (
     tiny_config,
     tiny_dir,
 )
-
 from torchtitan_rl.generator import StepStats, WeightSyncPolicy
 from torchtitan_rl.models.qwen3 import (
     load_hf_state_dict,

@@ -1,6 +1,6 @@
 """A streamed shared-memory push, as pure logic in one process: the stager announces staged
 bytes only once they hold their tensors, and a pull copies a tensor only after its bytes were
-announced (the real actors' end-to-end push with bitwise verify: test_generator_in_place_pull.py)."""
+announced (the real actors' end-to-end push with bitwise verify: tests/weight_sync/test_weight_sync_in_place_pull.py)."""
 
 from __future__ import annotations
 
