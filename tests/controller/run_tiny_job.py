@@ -2,8 +2,8 @@
 OUTPUT_DIR NAME NUM_STEPS [--resume] [--num-prompts N] [--staleness S] [--partial-rollout abort]
 [--num-generators N] [--max-restarts N] [--trainer-max-restarts N] [--checkpoint-every N]
 [--max-skipped-in-row N] [--placement KIND] [--generator-tp 1,2] [--num-trainer-ranks N]
-[--relay-chunk-bytes N] [--verify] [--num-workers N]. Staleness 0 (the default) is synchronous
-training."""
+[--relay-chunk-bytes N] [--verify] [--num-workers N] [--engine vllm|stand_in]. Staleness 0 (the
+default) is synchronous training."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from tests.controller.jobs import tiny_job
 from tests.controller.letter_task import LetterTask
 from torchtitan_rl.controller.placement import Placement
 from torchtitan_rl.train import run_and_report
+
+STAND_IN_TOKENS_PER_S = 20_000.0
+"""The stand-in engine's pace: a tiny vLLM engine's order of magnitude on this CPU."""
 
 
 def run(argv: list[str] | None = None) -> None:
@@ -41,6 +44,9 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-workers", type=int, default=0, help="rollouter.num_workers")
     parser.add_argument("--worker-outcome-interval-s", type=float, default=None,
                         help="rollouter.worker_outcome_interval_s")
+    parser.add_argument("--engine", choices=["vllm", "stand_in"], default="vllm",
+                        help="generator.engine: stand_in where the test is about the processes, "
+                             "not the tokens (generator/stand_in_engine.py)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = tiny_job(args.output_dir, args.name, num_steps=args.num_steps,
@@ -63,7 +69,8 @@ def run(argv: list[str] | None = None) -> None:
         num_generators=args.num_generators,
         placement=Placement.Config(kind=args.placement),
         generator_tensor_parallel_degrees=[int(tp) for tp in args.generator_tp.split(",") if tp],
-        generator=dataclasses.replace(config.generator, max_restarts=args.max_restarts),
+        generator=dataclasses.replace(config.generator, max_restarts=args.max_restarts,
+                                      engine=args.engine, stand_in_tokens_per_s=STAND_IN_TOKENS_PER_S),
     )
     sys.exit(run_and_report(config))
 

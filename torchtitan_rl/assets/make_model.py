@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -156,12 +157,17 @@ def directory_digest(path: str | os.PathLike) -> str:
 def ensure_model(size: str, root: str | os.PathLike = "assets/models", *, seed: int = 0) -> pathlib.Path:
     """The model directory for ``size`` under ``root``, created on first use."""
     out = pathlib.Path(root) / (size if seed == 0 else f"{size}-seed{seed}")
-    if not _matches_spec(out, MODEL_SIZES.get(size), size=size, seed=seed):
-        make_model(size, out, seed=seed)
-    elif any(is_private(p) for p in (out, *out.glob("*.safetensors"))):
-        # made before make_model set the umask's modes (0700 / 0600): readable to others now
-        share_like_umask(out)
-        logger.info("%s: modes set from the umask (it was readable to its owner only)", out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Runs (and test processes) starting at once on a fresh checkout: one makes the model while
+    # the others wait for it, instead of reading a half-written directory.
+    with open(out.parent / f".{out.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _matches_spec(out, MODEL_SIZES.get(size), size=size, seed=seed):
+            make_model(size, out, seed=seed)
+        elif any(is_private(p) for p in (out, *out.glob("*.safetensors"))):
+            # made before make_model set the umask's modes (0700 / 0600): readable to others now
+            share_like_umask(out)
+            logger.info("%s: modes set from the umask (it was readable to its owner only)", out)
     return out
 
 
