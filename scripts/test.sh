@@ -2,17 +2,23 @@
 # The test suite: set up .venv (first time only), then run pytest. Extra arguments go to pytest.
 #   --fast  only the tests not marked slow: no vLLM engine, Monarch proc or training run, and
 #           the linter (about a minute on 2 cores; docs/testing.md). CI runs the whole suite.
-# Every run prints its 15 slowest tests and compares its wall time with the budget
-# (docs/testing.md). `--random-order` shuffles the tests.
+# Two test processes share the box's two cores (pytest-xdist; TEST_WORKERS=0 runs in one process,
+# e.g. for pdb). Every run prints its 15 slowest tests and compares its wall time with the budget
+# (docs/testing.md). `--random-order` shuffles the tests (with a seed it prints, which every
+# worker shares; `--random-order-seed=N` repeats an order).
 # pytest exits 5 when it collected no test: that is a failure here, never a silent pass.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/setup_env.sh || exit 1
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
-args=(--durations=15)
+args=(--durations=15 -n "${TEST_WORKERS:-2}" --dist loadgroup)
 for arg in "$@"; do
-    if [ "$arg" = "--fast" ]; then args+=(-m "not slow" --timeout 120); else args+=("$arg"); fi
+    case "$arg" in
+        --fast) args+=(-m "not slow" --timeout 120) ;;
+        --random-order) args+=("--random-order-seed=$RANDOM") ;;
+        *) args+=("$arg") ;;
+    esac
 done
 .venv/bin/python -m pytest "${args[@]}"
 status=$?

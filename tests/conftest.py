@@ -21,10 +21,50 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+# ---- two test processes (pytest-xdist: scripts/test.sh runs `-n 2 --dist loadgroup`) ----
+# A serial run leaves one of the box's two cores idle about half the time (its jobs wait on
+# spawns, polls and shutdowns); two workers fill it. Each worker and every process it starts
+# (jobs, Monarch procs, engines) then gets one torch/OpenMP thread: two tests share two cores,
+# and threads beyond the cores spin against each other.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "xdist_group(name): tests of one group run in one xdist worker (conftest.py)")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def _shared_fixture_group(item: pytest.Item) -> str | None:
+    """The group of a test that uses a module- or session-scoped fixture of a test module or
+    package (a warmed engine, a finished job): its users share one worker, so the fixture is
+    built once. The root conftest's session fixtures are cheap and built in each worker."""
+    fixture_info = getattr(item, "_fixtureinfo", None)
+    if fixture_info is None:
+        return None
+    for name in item.fixturenames:  # type: ignore[attr-defined]
+        for fixture_def in fixture_info.name2fixturedefs.get(name, ()):
+            if fixture_def.baseid == "":
+                continue
+            if fixture_def.scope == "module":
+                return item.nodeid.split("::")[0]
+            if fixture_def.scope == "session":
+                return f"session:{name}"
+    return None
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None and (
+                group := _shared_fixture_group(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
@@ -49,6 +89,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 @pytest.hookimpl(trylast=True)  # after the durations report: the run's last lines
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     wall_s = time.monotonic() - _SESSION_START
+    if config.getoption("collectonly"):
+        return
     if config.args_source != pytest.Config.ArgsSource.TESTPATHS or config.getoption("keyword"):
         terminalreporter.write_line(f"wall time {wall_s:.0f} s (a selection: no budget)")
         return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -53,6 +54,19 @@ def tiny_job(output_dir: pathlib.Path, name: str, *, num_steps: int = 3,
         checkpoint=Checkpointer.Config(every_steps=1),
         recorder=RolloutRecorder.Config(every_k_steps=1),
     )
+
+
+STAND_IN_TOKENS_PER_S = 20_000.0
+"""The stand-in engine's pace: a tiny vLLM engine's order of magnitude on this CPU."""
+
+
+def on_stand_in_engines(config: RLJob.Config) -> RLJob.Config:
+    """``config`` with the stand-in engine (generator/stand_in_engine.py): the same actors,
+    procs, pushes and tokens labelled by version, without vLLM's start-up in each generator. For
+    tests about the controller and the processes, not the tokens; every behaviour keeps a test
+    on real vLLM too."""
+    return dataclasses.replace(config, generator=dataclasses.replace(
+        config.generator, engine="stand_in", stand_in_tokens_per_s=STAND_IN_TOKENS_PER_S))
 
 
 def env_without_faults(fault: str | None = None) -> dict[str, str]:

@@ -13,13 +13,10 @@ import logging
 import pathlib
 import sys
 
-from tests.controller.jobs import tiny_job
+from tests.controller.jobs import STAND_IN_TOKENS_PER_S, tiny_job
 from tests.controller.letter_task import LetterTask
 from torchtitan_rl.controller.placement import Placement
 from torchtitan_rl.train import run_and_report
-
-STAND_IN_TOKENS_PER_S = 20_000.0
-"""The stand-in engine's pace: a tiny vLLM engine's order of magnitude on this CPU."""
 
 
 def run(argv: list[str] | None = None) -> None:

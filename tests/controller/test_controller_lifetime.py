@@ -201,6 +201,11 @@ def _train(out: pathlib.Path, *args: str, fault: str | None = None,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+STAND_IN = ("--generator.engine", "stand_in", "--generator.stand_in_tokens_per_s", "20000")
+"""The stand-in engine (generator/stand_in_engine.py) where the processes, not the tokens, are
+what a test is about: the same actors and procs, without vLLM's start-up in each generator."""
+
+
 def _wait_for(condition, what: str, timeout_s: float = 600.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -209,18 +214,20 @@ def _wait_for(condition, what: str, timeout_s: float = 600.0) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("placement, end", [
-    ("local", "sigkill"), ("process", "sigkill"), ("process", "sigterm"), ("local", "ctrl-c"),
-    ("process", "success"), ("process", "error"),
+@pytest.mark.parametrize("placement, end, engine", [
+    ("local", "sigkill", "vllm"), ("process", "sigkill", "vllm"), ("process", "sigterm", "stand_in"),
+    ("local", "ctrl-c", "stand_in"), ("process", "success", "stand_in"),
+    ("process", "error", "stand_in"),
 ])
-def test_every_process_of_a_run_is_gone_after_it_ends(tmp_path, placement, end):
+def test_every_process_of_a_run_is_gone_after_it_ends(tmp_path, placement, end, engine):
     steps = "1" if end == "success" else "100"
     fault = {"sigkill": "kill_controller_after_groups:4",
              "error": "kill_trainer_after_steps:2"}.get(end)  # error: a lost trainer, no restart
     # A short temp dir of its own (a socket path has <= 107 bytes): ProcessJob's socket folder.
     temp_dir = pathlib.Path(tempfile.mkdtemp(prefix="ttrl"))
     controller = _train(tmp_path, "--placement.kind", placement, "--loop.num_steps", steps,
-                        "--trainer.max_restarts", "0", fault=fault, temp_dir=temp_dir)
+                        "--trainer.max_restarts", "0", *(STAND_IN if engine == "stand_in" else ()),
+                        fault=fault, temp_dir=temp_dir)
     sessions = {controller.pid}  # its own session; each simulated host has one
     try:
         # Any checkpoint: step-000001 alone is deleted three saves later (keep_last), which a
@@ -267,7 +274,7 @@ def test_an_attach_worker_stops_a_gone_clients_procs_and_keeps_serving(tmp_path)
 
     addresses = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(2)]
     workers = [_start_worker(address) for address in addresses]
-    attach = ("--placement.kind", "attach", "--placement.workers", ",".join(addresses))
+    attach = ("--placement.kind", "attach", "--placement.workers", ",".join(addresses), *STAND_IN)
 
     def procs() -> dict[int, float]:
         return {p.pid: p.create_time() for w in workers

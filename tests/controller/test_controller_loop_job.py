@@ -22,6 +22,7 @@ from tests.controller.jobs import (
     REPO_ROOT,
     assert_every_group_trained_once,
     env_without_faults,
+    on_stand_in_engines,
     read_hf_weights,
     read_metrics,
     run_killing_generator_0,
@@ -60,13 +61,14 @@ def _run_tiny_job(*args: str, fault: str | None = None) -> subprocess.CompletedP
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("staleness, num_workers", [(0, 0), (2, 0), (2, 2)])
-def test_resume_after_sigkill_loses_nothing(tmp_path, staleness, num_workers):
+@pytest.mark.parametrize("staleness, num_workers, engine",
+                         [(0, 0, "vllm"), (2, 0, "stand_in"), (2, 2, "stand_in")])
+def test_resume_after_sigkill_loses_nothing(tmp_path, staleness, num_workers, engine):
     num_prompts, groups_per_step = 8, 2  # one epoch = 4 steps of 2 groups (tiny_job)
     num_steps = num_prompts // groups_per_step
     kill_after = random.Random(20261123 + staleness).randint(1, num_steps - 1)
     args = [str(tmp_path), "killed", str(num_steps), "--num-prompts", str(num_prompts),
-            "--staleness", str(staleness), "--num-workers", str(num_workers)]
+            "--staleness", str(staleness), "--num-workers", str(num_workers), "--engine", engine]
 
     killed = _run_tiny_job(*args, fault=f"kill_controller_after_checkpoints:{kill_after}")
     assert killed.returncode == -signal.SIGKILL, (kill_after, killed.stderr[-2000:])
@@ -126,7 +128,7 @@ def test_rerun_resumes_instead_of_deleting(tmp_path, capsys):
     from torchtitan_rl.config.errors import ConfigError
     from torchtitan_rl.train import run_and_report
 
-    config = tiny_job(tmp_path, "again", num_steps=1)
+    config = on_stand_in_engines(tiny_job(tmp_path, "again", num_steps=1))
     first = main(config)
     assert first["steps"] == 1 and first["resumed_from_step"] is None
     metrics_before = (tmp_path / "again" / "metrics.jsonl").read_text()
@@ -226,9 +228,10 @@ def test_off_policy_training_turns_truncated_importance_sampling_on_unless_confi
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("staleness", ["0", "1"])
-def test_generator_death_past_max_restarts_fails_the_run_with_a_clear_error(tmp_path, staleness):
-    proc = _run_tiny_job(str(tmp_path), "dies", "3", "--staleness", staleness,
+@pytest.mark.parametrize("staleness, engine", [("0", "vllm"), ("1", "stand_in")])
+def test_generator_death_past_max_restarts_fails_the_run_with_a_clear_error(tmp_path, staleness,
+                                                                           engine):
+    proc = _run_tiny_job(str(tmp_path), "dies", "3", "--staleness", staleness, "--engine", engine,
                          "--max-restarts", "0", fault="kill_generator_after_requests:5")
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -239,13 +242,13 @@ def test_generator_death_past_max_restarts_fails_the_run_with_a_clear_error(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("staleness, num_generators", [(0, 1), (1, 2)])
+@pytest.mark.parametrize("staleness, num_generators, engine", [(0, 1, "vllm"), (1, 2, "stand_in")])
 def test_generator_killed_mid_step_is_replaced_and_nothing_is_lost(tmp_path, staleness,
-                                                                   num_generators):
+                                                                   num_generators, engine):
     num_steps, num_prompts = 6, 12
     returncode, stdout, log = run_killing_generator_0(
         tmp_path, "lost", num_steps, "--num-prompts", str(num_prompts), "--staleness",
-        str(staleness), "--num-generators", str(num_generators))
+        str(staleness), "--num-generators", str(num_generators), "--engine", engine)
     assert returncode == 0, log[-4000:]
     assert "steps=6" in stdout.strip().splitlines()[-1].split()
     run_dir = tmp_path / "lost"
@@ -277,7 +280,7 @@ def test_a_second_generator_lost_from_the_shared_proc_mesh_is_replaced_too(tmp_p
     num_steps, num_prompts = 12, 24
     returncode, stdout, log = run_killing_generator_0(
         tmp_path, "lost2", num_steps, "--num-prompts", str(num_prompts), "--num-generators", "2",
-        then=(1,))
+        "--engine", "stand_in", then=(1,))
     assert returncode == 0, log[-4000:]
     assert "generators: one proc mesh for 2 on 1 host(s)" in log
     assert f"steps={num_steps}" in stdout.strip().splitlines()[-1].split()
@@ -299,7 +302,7 @@ def _checkpoint_model(run_dir: pathlib.Path, step: int) -> dict[str, torch.Tenso
 @pytest.mark.slow
 def test_non_finite_steps_never_reach_the_weights_and_too_many_in_a_row_fail_the_run(tmp_path):
     proc = _run_tiny_job(str(tmp_path), "nan", "6", "--max-skipped-in-row", "2",
-                         fault="nan_loss_at_steps:1,3,4")
+                         "--engine", "stand_in", fault="nan_loss_at_steps:1,3,4")
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
@@ -325,15 +328,18 @@ def test_non_finite_steps_never_reach_the_weights_and_too_many_in_a_row_fail_the
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpoint_every", [1, 0])
+@pytest.mark.parametrize("checkpoint_every, placement, engine",
+                         [(1, "local", "vllm"), (0, "process", "stand_in")])
 def test_a_lost_trainer_is_restored_inside_the_run_and_each_step_is_logged_once(
-        tmp_path, checkpoint_every):
+        tmp_path, checkpoint_every, placement, engine):
     """SIGKILL of the trainer proc in the optimizer step of step 2: a new trainer mesh restores
     the newest checkpoint (step 2; with no checkpoints, the run's start), the generators go back
-    to its version, and the run trains to the end: every step once in every log."""
+    to its version, and the run trains to the end: every step once in every log. Under
+    placement.kind = "process" the new trainer mesh is spawned on the trainer's host mesh again
+    (a remote HostMesh, over Monarch's real transport)."""
     proc = _run_tiny_job(str(tmp_path), "lost", "4", "--num-prompts", "8",
-                         "--checkpoint-every", str(checkpoint_every),
-                         fault="kill_trainer_after_steps:3")
+                         "--checkpoint-every", str(checkpoint_every), "--placement", placement,
+                         "--engine", engine, fault="kill_trainer_after_steps:3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "lost"
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -354,23 +360,9 @@ def test_a_lost_trainer_is_restored_inside_the_run_and_each_step_is_logged_once(
 
 
 @pytest.mark.slow
-def test_a_lost_trainer_on_a_simulated_host_is_restarted_on_that_host(tmp_path):
-    """placement.kind = "process": the new trainer mesh is spawned on the trainer's host mesh
-    again (a remote HostMesh, over Monarch's real transport)."""
-    proc = _run_tiny_job(str(tmp_path), "lost", "3", "--num-prompts", "6", "--placement",
-                         "process", fault="kill_trainer_after_steps:2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "lost" / "summary.json").read_text())
-    assert summary["trainer_restarts"] == 1 and summary["trainer_restored_from_steps"] == [1]
-    steps = [json.loads(line)["step"] for line in
-             (tmp_path / "lost" / "trained_samples.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2]
-
-
-@pytest.mark.slow
 def test_a_dead_trainer_past_max_restarts_fails_the_run_with_one_line_and_the_run_resumes(
         tmp_path):
-    args = [str(tmp_path), "trainer", "4", "--num-prompts", "8"]
+    args = [str(tmp_path), "trainer", "4", "--num-prompts", "8", "--engine", "stand_in"]
     dead = _run_tiny_job(*args, "--trainer-max-restarts", "0", fault="kill_trainer_after_steps:3")
     assert dead.returncode == 1, dead.stderr[-3000:]
     errors = [line for line in dead.stderr.splitlines() if line.startswith("error:")]

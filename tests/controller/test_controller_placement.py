@@ -142,8 +142,10 @@ def test_a_worker_gone_before_the_run_fails_it_with_one_line(tmp_path):
 def test_a_generator_lost_on_its_host_is_replaced_on_that_host(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "lost", "12",
-         "--num-prompts", "24", "--placement", "process"],  # long enough to read the new pid
-        cwd=REPO_ROOT, env=env_without_faults(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         "--num-prompts", "24", "--placement", "process", "--engine", "stand_in"],
+        # 12 steps: long enough to read the new pid
+        cwd=REPO_ROOT, env=env_without_faults(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
     log = LogWatch(proc.stderr)
     try:
         started = log.wait_for(r"generator generator_0 started \(tp=1, pids (\d+) ")
@@ -176,8 +178,10 @@ def test_a_generator_host_lost_for_good_fails_the_run_with_one_line(tmp_path):
     bounded), and the run fails with one line instead of waiting for the host."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "host", "100",
-         "--placement", "process"],  # one generator: the run cannot finish without its host
-        cwd=REPO_ROOT, env=env_without_faults(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         "--placement", "process", "--engine", "stand_in"],
+        # one generator: the run cannot finish without its host
+        cwd=REPO_ROOT, env=env_without_faults(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
     log = LogWatch(proc.stderr)
     try:
         started = log.wait_for(r"generator generator_0 started \(tp=1, pids (\d+) ")

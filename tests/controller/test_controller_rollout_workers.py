@@ -363,7 +363,8 @@ def test_workers_on_a_simulated_host_train_the_groups_and_losses_of_a_job_withou
 def test_a_generator_killed_with_workers_on_is_replaced_and_its_groups_restart(tmp_path):
     num_steps, num_prompts = 5, 10
     returncode, stdout, log = run_killing_generator_0(
-        tmp_path, "lost", num_steps, "--num-prompts", str(num_prompts), "--num-workers", "1")
+        tmp_path, "lost", num_steps, "--num-prompts", str(num_prompts), "--num-workers", "1",
+        "--engine", "stand_in")
     assert returncode == 0, log[-4000:]
     assert f"steps={num_steps}" in stdout.strip().splitlines()[-1].split()
     run_dir = tmp_path / "lost"
@@ -387,7 +388,7 @@ def test_a_rollout_worker_killed_mid_run_has_its_groups_restart(tmp_path, num_wo
     proc = subprocess.run(
         [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "lost_worker",
          str(num_steps), "--num-prompts", str(num_prompts), "--num-workers", str(num_workers),
-         "--staleness", "1"],
+         "--staleness", "1", "--engine", "stand_in"],
         cwd=REPO_ROOT, env=env_without_faults("kill_rollout_worker_after_groups:2"),
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -410,7 +411,7 @@ def test_a_rollout_worker_killed_mid_run_has_its_groups_restart(tmp_path, num_wo
 @pytest.mark.slow
 def test_partial_rollouts_in_workers_over_two_generators_stay_within_staleness(tmp_path):
     run_dir = _run_job(tmp_path, "partial", "--staleness", "1", "--partial-rollout", "abort",
-                       "--num-generators", "2", "--num-workers", "2")
+                       "--num-generators", "2", "--num-workers", "2", "--engine", "stand_in")
     metrics = {step: m for step, m in read_metrics(run_dir).items() if "loss/value" in m}
     assert sorted(metrics) == [0, 1, 2]  # (step 3 holds the final validation only)
     for step, m in metrics.items():

@@ -48,7 +48,7 @@ def test_a_relayed_push_sends_each_byte_once_per_process_and_lands_bit_exact(tmp
 
 @pytest.mark.slow
 def test_a_relay_generator_killed_mid_push_is_replaced_and_the_others_get_the_version(tmp_path):
-    proc = _run_job(tmp_path, "killed", 150, "--num-prompts", "300",
+    proc = _run_job(tmp_path, "killed", 150, "--num-prompts", "300", "--engine", "stand_in",
                     fault="kill_generator_mid_relay:2")
     assert proc.returncode == 0, proc.stderr[-4000:]
     log = proc.stderr
