@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+from typing import Any
 
 import pytest
 
@@ -54,18 +55,38 @@ def _agent_job(tmp_path: pathlib.Path, name: str, *, num_workers: int = 0,
     )
 
 
-def test_agent_job_trains_exactly_the_generated_tokens(tmp_path: pathlib.Path) -> None:
+@dataclasses.dataclass(frozen=True)
+class AgentRun:
+    """The agents-in-the-controller job, and what its agents saw (letter_agent's records)."""
+
+    run_dir: pathlib.Path
+    summary: dict[str, Any]
+    batch_log: pathlib.Path
+    calls: dict[tuple[int, int], list[dict[str, Any]]]
+    checks: list[tuple[str, str]]
+    tool_calls: list[Any]
+
+
+@pytest.fixture(scope="module")
+def agent_run(tmp_path_factory: pytest.TempPathFactory) -> AgentRun:
+    """One job shared by both tests: the second compares it with agents in rollout workers."""
+    out = tmp_path_factory.mktemp("agent_job")
     letter_agent.CALLS.clear()
     letter_agent.CHECKS.clear()
     letter_agent.TOOL_CALLS.clear()
-    batch_log = tmp_path / "trainer_batches.jsonl"
-    summary = main(_agent_job(tmp_path, "agent", batch_log=batch_log))
+    batch_log = out / "trainer_batches.jsonl"
+    summary = main(_agent_job(out, "agent", batch_log=batch_log))
+    return AgentRun(out / "agent", summary, batch_log, dict(letter_agent.CALLS),
+                    list(letter_agent.CHECKS), list(letter_agent.TOOL_CALLS))
+
+
+def test_agent_job_trains_exactly_the_generated_tokens(agent_run: AgentRun) -> None:
+    summary, batch_log, run_dir = agent_run.summary, agent_run.batch_log, agent_run.run_dir
     assert summary["steps"] == NUM_STEPS
-    run_dir = tmp_path / "agent"
 
     # the error answers, through the real server and client
-    assert letter_agent.CHECKS, "no agent of rollout 0 ran"
-    for unknown, malformed in letter_agent.CHECKS:
+    assert agent_run.checks, "no agent of rollout 0 ran"
+    for unknown, malformed in agent_run.checks:
         assert unknown.startswith("404 ") and "no episode unknown-g" in unknown, unknown
         assert malformed.startswith("400 messages[0].role "), malformed
         assert "messages[0].role: one of ['system'" in malformed, malformed
@@ -84,7 +105,7 @@ def test_agent_job_trains_exactly_the_generated_tokens(tmp_path: pathlib.Path) -
             group, rollout, branch = (int(part.split("=")[1]) for part in sample_id.split("/"))
             assert group < VALIDATION_GROUP_OFFSET and branch == 0
             assert rollout != 3, "an errored rollout was trained on"
-            calls = letter_agent.CALLS[(group, rollout)]
+            calls = agent_run.calls[(group, rollout)]
             tokens, mask, _ = received[step][document]
             last = calls[-1]
             # the sample is the last call's prompt + completion, token for token
@@ -105,20 +126,20 @@ def test_agent_job_trains_exactly_the_generated_tokens(tmp_path: pathlib.Path) -
         assert metrics[step]["loss/num_valid_tokens"] == num_valid, step
     assert num_two_call_samples > 0
     # rollout 1's tool result continued its sample (checked above like every other sample)
-    assert letter_agent.TOOL_CALLS and num_tool_samples > 0
+    assert agent_run.tool_calls and num_tool_samples > 0
 
 
 def test_agents_in_rollout_workers_train_the_samples_and_losses_of_agents_in_the_controller(
-        tmp_path: pathlib.Path) -> None:
+        agent_run: AgentRun, tmp_path: pathlib.Path) -> None:
     # Each worker serves its own endpoint (a free port) to the agents of its groups; S = 0 and
-    # one seed: where an agent runs must change nothing but the wires.
-    main(_agent_job(tmp_path, "in_controller"))
+    # one seed: where an agent runs must change nothing but the wires (the trainer's batch log
+    # of the run in the controller changes nothing either).
     main(_agent_job(tmp_path, "in_workers", num_workers=2))
     trained = [[json.loads(line)["sample_ids"] for line in
-                (tmp_path / name / "trained_samples.jsonl").read_text().splitlines()]
-               for name in ("in_controller", "in_workers")]
+                (run_dir / "trained_samples.jsonl").read_text().splitlines()]
+               for run_dir in (agent_run.run_dir, tmp_path / "in_workers")]
     assert trained[0] == trained[1] and all(trained[0])
-    expected, got = read_metrics(tmp_path / "in_controller"), read_metrics(tmp_path / "in_workers")
+    expected, got = read_metrics(agent_run.run_dir), read_metrics(tmp_path / "in_workers")
     for step in range(NUM_STEPS):
         for key in ("loss/value", "loss/num_valid_tokens", "rollout_reward/mean",
                     "rollout/status/error_env"):

@@ -1,5 +1,5 @@
-"""The training loop end to end (real Monarch meshes, vLLM generators, torchtitan trainer):
-two staleness-0 (synchronous) runs of one seed are identical bit for bit; a SIGKILLed controller
+"""The training loop end to end (real Monarch meshes, vLLM generators, torchtitan trainer): a
+rerun resumes a finished run instead of deleting it; a SIGKILLed controller
 resumes without losing or repeating a prompt (its rollouts in the controller or in rollout
 workers); partial rollouts over two generators respect the staleness bound; a generator killed
 mid-step is replaced (and a second one lost from the shared proc mesh too), past its restarts it
@@ -23,7 +23,6 @@ from tests.controller.jobs import (
     assert_every_group_trained_once,
     env_without_faults,
     on_stand_in_engines,
-    read_hf_weights,
     read_metrics,
     run_killing_generator_0,
     tiny_job,
@@ -33,24 +32,6 @@ from torchtitan_rl.controller.job import RLJob
 from torchtitan_rl.controller.loop import TrainingLoop
 from torchtitan_rl.controller.router import GeneratorRouter
 from torchtitan_rl.train import main
-
-
-@pytest.mark.slow
-def test_two_staleness_zero_runs_of_one_seed_are_identical(sync_tiny_run, tmp_path):
-    sync_dir, _ = sync_tiny_run
-    summary = main(tiny_job(tmp_path, "async_s0", max_staleness=0))
-    assert summary["steps"] == 3
-    synced, asynced = read_metrics(sync_dir), read_metrics(tmp_path / "async_s0")
-    for step in range(3):
-        for key in ("loss/value", "trainer/grad_norm", "loss/num_valid_tokens",
-                    "rollout_reward/mean"):
-            assert asynced[step][key] == synced[step][key], (step, key)  # exact
-        assert asynced[step]["async/policy_age_max"] == 0
-    sync_weights = read_hf_weights(sync_dir / "hf")
-    async_weights = read_hf_weights(tmp_path / "async_s0" / "hf")
-    assert sync_weights.keys() == async_weights.keys()
-    for name in sync_weights:
-        assert torch.equal(sync_weights[name], async_weights[name]), name
 
 
 def _run_tiny_job(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:

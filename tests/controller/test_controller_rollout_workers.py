@@ -339,8 +339,9 @@ def _trained(run_dir: pathlib.Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_workers_on_a_simulated_host_train_the_groups_and_losses_of_a_job_without(tmp_path):
-    without = _run_job(tmp_path, "in_controller")
+def test_workers_on_a_simulated_host_train_the_groups_and_losses_of_a_job_without(
+        tmp_path, sync_tiny_run):
+    without, _ = sync_tiny_run  # the same 3-step tiny job, its rollouts in the controller
     # Outcomes held until a worker has no group left running: one message each way per worker
     # and step (S = 0 gives all of a step's groups in one event-loop turn).
     with_workers = _run_job(tmp_path, "workers", "--placement", "process", "--num-workers", "2",

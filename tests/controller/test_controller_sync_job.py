@@ -60,7 +60,11 @@ def test_three_step_sync_run_logs_finite_metrics_tensorboard_and_checkpoints(uni
 
 
 @pytest.mark.slow
-def test_resume_from_step_two_repeats_step_three_bit_for_bit(uninterrupted_run, tmp_path):
+def test_a_second_run_of_one_seed_stopped_and_resumed_is_identical_bit_for_bit(
+        uninterrupted_run, tmp_path):
+    """Two staleness-0 runs of one seed, the second stopped after step 2 and resumed from its
+    checkpoint: every step's metrics are equal exactly (steps 1-2: two runs of one seed; step 3:
+    across the resume) and so are the final weights."""
     full_dir, _ = uninterrupted_run
     first = tiny_job(tmp_path, "resumed", num_steps=2)
     main(first)
@@ -69,10 +73,13 @@ def test_resume_from_step_two_repeats_step_three_bit_for_bit(uninterrupted_run, 
         checkpoint=dataclasses.replace(first.checkpoint, resume="must"),
     )
     summary = main(resumed)
-    assert summary["steps"] == 3
+    assert summary["steps"] == 3 and summary["resumed_from_step"] == 2
     full, again = read_metrics(full_dir), read_metrics(tmp_path / "resumed")
-    for key in ("loss/value", "trainer/grad_norm", "rollout_reward/mean", "loss/num_valid_tokens"):
-        assert again[2][key] == full[2][key], key  # exact, not approximate
+    for step in range(3):
+        for key in ("loss/value", "trainer/grad_norm", "rollout_reward/mean",
+                    "loss/num_valid_tokens"):
+            assert again[step][key] == full[step][key], (step, key)  # exact, not approximate
+        assert again[step]["async/policy_age_max"] == 0
     final_full = read_hf_weights(full_dir / "hf")
     final_again = read_hf_weights(tmp_path / "resumed" / "hf")
     assert final_full.keys() == final_again.keys()
