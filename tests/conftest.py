@@ -43,13 +43,13 @@ def pytest_configure(config: pytest.Config) -> None:
 def _shared_fixture_group(item: pytest.Item) -> str | None:
     """The group of a test that uses a module- or session-scoped fixture of a test module or
     package (a warmed engine, a finished job): its users share one worker, so the fixture is
-    built once. The root conftest's session fixtures are cheap and built in each worker."""
+    built once. ``tiny_model_dir`` is cheap (made once on disk) and built in each worker."""
     fixture_info = getattr(item, "_fixtureinfo", None)
     if fixture_info is None:
         return None
     for name in item.fixturenames:  # type: ignore[attr-defined]
         for fixture_def in fixture_info.name2fixturedefs.get(name, ()):
-            if fixture_def.baseid == "":
+            if name == "tiny_model_dir":
                 continue
             if fixture_def.scope == "module":
                 return item.nodeid.split("::")[0]
@@ -118,6 +118,21 @@ def tiny_model_dir() -> pathlib.Path:
     from torchtitan_rl.assets.make_model import ensure_model
 
     return ensure_model("tiny", REPO_ROOT / "assets" / "models")
+
+
+@pytest.fixture(scope="session")
+def letters_toml_run(
+        tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, subprocess.CompletedProcess]:
+    """``python -m torchtitan_rl.train --config LETTERS_TOML`` run once for every test that reads
+    its run folder or console (the eval command's tests, the test-defined task's): the run
+    folder and the finished process."""
+    from tests.controller.jobs import LETTERS_TOML, LETTERS_VALIDATION, run_module
+
+    out = tmp_path_factory.mktemp("letters_toml")
+    proc = run_module("torchtitan_rl.train", "--config", LETTERS_TOML, "--output_dir", str(out),
+                      *LETTERS_VALIDATION)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "letters", proc
 
 
 # ---- the fast tier's guard ----

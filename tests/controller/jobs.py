@@ -6,6 +6,8 @@ import dataclasses
 import json
 import os
 import pathlib
+import subprocess
+import sys
 
 from tests.controller.letter_task import LetterTask
 from torchtitan_rl.controller.checkpointer import Checkpointer
@@ -67,6 +69,24 @@ def on_stand_in_engines(config: RLJob.Config) -> RLJob.Config:
     on real vLLM too."""
     return dataclasses.replace(config, generator=dataclasses.replace(
         config.generator, engine="stand_in", stand_in_tokens_per_s=STAND_IN_TOKENS_PER_S))
+
+
+LETTERS_TOML = "tests/controller/tiny_letter_job.toml"
+"""A 2-step job of a task defined only in tests (tests/controller/letter_task.py), from TOML."""
+# Sampled validation (temperature 1, 4 samples of 16 episodes): a reward with spread, so an eval
+# that agrees with it means the same tokens, not just a constant greedy reply.
+LETTERS_VALIDATION = ["--validation.num_prompts", "16", "--validation.samples_per_prompt", "4",
+                      "--validation.temperature", "1.0"]
+
+
+def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m module ARGS`` from the repository root, as a user runs it (the log level
+    theirs, not a test's)."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env.pop("TORCHTITAN_RL_LOG_LEVEL", None)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
 
 
 def env_without_faults(fault: str | None = None) -> dict[str, str]:

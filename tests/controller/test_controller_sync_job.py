@@ -126,19 +126,14 @@ def test_group_size_below_two_is_rejected_before_anything_runs():
 
 
 @pytest.mark.slow
-def test_a_task_defined_only_in_tests_runs_a_real_job_from_a_toml_file(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchtitan_rl.train", "--config",
-         "tests/controller/tiny_letter_job.toml", "--output_dir", str(tmp_path)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_a_task_defined_only_in_tests_runs_a_real_job_from_a_toml_file(letters_toml_run):
+    run_dir, proc = letters_toml_run  # python -m torchtitan_rl.train --config <its TOML>
     assert "steps=2" in proc.stdout.strip().splitlines()[-1].split()
-    metrics = read_metrics(tmp_path / "letters")
+    metrics = read_metrics(run_dir)
     assert all(metrics[step]["loss/num_valid_tokens"] > 0 for step in (0, 1))
     # the rollouts are LetterTask's episodes (its prompt text), recorded at step 0
     assert "Write words, train prompt" in (
-        tmp_path / "letters" / "rollouts" / "rollouts.jsonl").read_text()
+        run_dir / "rollouts" / "rollouts.jsonl").read_text()
 
 
 @pytest.mark.slow

@@ -4,36 +4,23 @@ and vLLM lines go to the run's log file) and the eval agrees with the job's fina
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+
+from tests.controller.jobs import LETTERS_TOML, LETTERS_VALIDATION, run_module
 
 pytestmark = pytest.mark.slow  # a job and eval runs in subprocesses
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-JOB = "tests/controller/tiny_letter_job.toml"
-# Sampled validation (temperature 1, 4 samples of 16 episodes): a reward with spread, so agreement
-# means the same tokens, not just a constant greedy reply.
-VALIDATION = ["--validation.num_prompts", "16", "--validation.samples_per_prompt", "4",
-              "--validation.temperature", "1.0"]
+JOB = LETTERS_TOML
+VALIDATION = LETTERS_VALIDATION
+_run = run_module
 
 
-def _run(module: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    env.pop("TORCHTITAN_RL_LOG_LEVEL", None)
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory) -> tuple[pathlib.Path, subprocess.CompletedProcess]:
-    out = tmp_path_factory.mktemp("job")
-    proc = _run("torchtitan_rl.train", "--config", JOB, "--output_dir", str(out), *VALIDATION)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out / "letters", proc
+@pytest.fixture
+def job(letters_toml_run):
+    return letters_toml_run
 
 
 def test_console_is_quiet_and_the_log_file_has_the_rest(job):
