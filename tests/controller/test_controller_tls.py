@@ -10,11 +10,13 @@ import ipaddress
 import logging
 import os
 import pathlib
+import shutil
 import socket
 import ssl
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 
 import pytest
@@ -319,11 +321,14 @@ def test_a_client_without_the_job_certificates_is_refused_and_spawns_nothing(
         dial = [address, generator_address]
         tls_args = ["--placement.tls", str(other_certs)]
     generator_worker = _start_tls_worker(generator_address, certs)
+    # A short output folder: the error line ends with the log file's path and is clipped to one
+    # line's length, so pytest's deep temp paths would clip the message under test.
+    output_dir = tempfile.mkdtemp(prefix="ttrl")
     try:
         before = {p.pid for p in psutil.Process(worker.pid).children(recursive=True)}
         proc = subprocess.run(
             [sys.executable, "-m", "torchtitan_rl.train",
-             "--config", "tests/controller/tiny_letter_job.toml", "--output_dir", str(tmp_path),
+             "--config", "tests/controller/tiny_letter_job.toml", "--output_dir", output_dir,
              "--placement.kind", "attach", "--placement.workers", ",".join(dial),
              "--placement.host_timeout_s", "5", *tls_args],
             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
@@ -332,6 +337,7 @@ def test_a_client_without_the_job_certificates_is_refused_and_spawns_nothing(
     finally:
         _stop(worker)
         _stop(generator_worker)
+        shutil.rmtree(output_dir, ignore_errors=True)
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]

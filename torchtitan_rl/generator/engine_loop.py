@@ -111,6 +111,9 @@ class EngineLoop:
         self._stopped_error: BaseException | None = None
         self._burst_error: Exception | None = None
         """An exception of a step's outputs handled on the event loop during the current burst."""
+        self._between_bursts = asyncio.Event()
+        """Set while no burst runs: every step taken so far is counted (``settled``)."""
+        self._between_bursts.set()
         # ---- counters (every rank) ---------------------------------------------------------
         self.num_steps = 0
         self.num_finished = 0
@@ -230,6 +233,12 @@ class EngineLoop:
         """Rank 0: generate() calls not yet resolved (queued or in the engine)."""
         return len(self._pending)
 
+    async def settled(self) -> None:
+        """Until this rank is between bursts: a follower rank (TP > 1) finishes a step's
+        sampling and bookkeeping on its own time after rank 0 resolved the step's outputs, so
+        its counters are read once its burst is over."""
+        await self._between_bursts.wait()
+
     @property
     def finished_digest(self) -> str:
         """sha256 over (request id, token ids, finish reason) of every finished output in order:
@@ -310,7 +319,11 @@ class EngineLoop:
         # between two engine steps (two thread wake-ups) is what a step's outputs would cost
         # otherwise, and on a busy CPU each wake-up can wait for a core.
         self._burst_error = None
-        await self._in_thread(self._burst, asyncio.get_running_loop())
+        self._between_bursts.clear()
+        try:
+            await self._in_thread(self._burst, asyncio.get_running_loop())
+        finally:
+            self._between_bursts.set()
         if self._burst_error is not None:
             raise self._burst_error
         if self.rank == 0 and self._inbox.in_engine and not await self._in_thread(

@@ -307,8 +307,10 @@ class Generator(Actor, Configurable):
 
     @concurrent_endpoint
     async def get_finished_digest(self) -> tuple[int, int, str]:
-        """(rank, finished outputs, digest of their tokens): equal digests = identical tokens."""
+        """(rank, finished outputs, digest of their tokens): equal digests = identical tokens.
+        Read once the rank's burst in flight is over (a follower may still be counting)."""
         loop = self._loop()
+        await loop.settled()
         return self.rank, loop.num_finished, loop.finished_digest
 
     @concurrent_endpoint
