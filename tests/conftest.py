@@ -58,13 +58,8 @@ def _shared_fixture_group(item: pytest.Item) -> str | None:
     return None
 
 
-@pytest.hookimpl(trylast=True)  # after a --random-order shuffle, which it keeps within each tier
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
-
-    # Slow tests first: the two workers take the long jobs while many are left, and the short
-    # tests fill the end, instead of one worker finishing a long job alone.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
     for item in items:
         if item.get_closest_marker("xdist_group") is None and (

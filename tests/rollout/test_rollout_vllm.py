@@ -67,8 +67,19 @@ class EngineGenerate:
         return await future
 
     async def serve(self) -> None:
-        """Step the engine while requests are in flight; resolve futures as requests finish."""
+        """Step the engine while requests are in flight; resolve futures as requests finish. An
+        error here fails every waiting request with it (a rollout fails at once, naming it)."""
         self._wakeup = asyncio.Event()
+        try:
+            await self._serve()
+        except Exception as e:
+            for future in self.futures.values():
+                if not future.done():
+                    future.set_exception(e)
+            raise
+
+    async def _serve(self) -> None:
+        assert self._wakeup is not None
         while True:
             if not self.engine.has_unfinished_requests():
                 await self._wakeup.wait()
