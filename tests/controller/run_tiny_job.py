@@ -13,7 +13,7 @@ import logging
 import pathlib
 import sys
 
-from tests.controller.jobs import STAND_IN_TOKENS_PER_S, tiny_job
+from tests.controller.jobs import on_stand_in_engines, tiny_job
 from tests.controller.letter_task import LetterTask
 from torchtitan_rl.controller.placement import Placement
 from torchtitan_rl.train import run_and_report
@@ -66,9 +66,10 @@ def run(argv: list[str] | None = None) -> None:
         num_generators=args.num_generators,
         placement=Placement.Config(kind=args.placement),
         generator_tensor_parallel_degrees=[int(tp) for tp in args.generator_tp.split(",") if tp],
-        generator=dataclasses.replace(config.generator, max_restarts=args.max_restarts,
-                                      engine=args.engine, stand_in_tokens_per_s=STAND_IN_TOKENS_PER_S),
+        generator=dataclasses.replace(config.generator, max_restarts=args.max_restarts),
     )
+    if args.engine == "stand_in":
+        config = on_stand_in_engines(config)
     sys.exit(run_and_report(config))
 
 

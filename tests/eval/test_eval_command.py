@@ -13,18 +13,10 @@ from tests.controller.jobs import LETTERS_TOML, LETTERS_VALIDATION, run_module
 pytestmark = pytest.mark.slow  # a job and eval runs in subprocesses
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-JOB = LETTERS_TOML
-VALIDATION = LETTERS_VALIDATION
-_run = run_module
 
 
-@pytest.fixture
-def job(letters_toml_run):
-    return letters_toml_run
-
-
-def test_console_is_quiet_and_the_log_file_has_the_rest(job):
-    run_dir, proc = job
+def test_console_is_quiet_and_the_log_file_has_the_rest(letters_toml_run):
+    run_dir, proc = letters_toml_run
     assert proc.stdout.splitlines()[-1].startswith("reward_before=")
     console = proc.stdout + proc.stderr
     assert proc.stderr.startswith(f"run folder: {run_dir.resolve()} (log: ")
@@ -41,12 +33,13 @@ def test_console_is_quiet_and_the_log_file_has_the_rest(job):
     assert f"val={summary['reward_after']:.3f}" in last_frame, last_frame
 
 
-def test_eval_of_the_exported_model_agrees_with_the_jobs_final_validation(job, tmp_path):
-    run_dir, _ = job
+def test_eval_of_the_exported_model_agrees_with_the_jobs_final_validation(letters_toml_run,
+                                                                       tmp_path):
+    run_dir, _ = letters_toml_run
     summary = json.loads((run_dir / "summary.json").read_text())
     report_file = tmp_path / "eval.json"
-    proc = _run("torchtitan_rl.eval", "--model", str(run_dir / "hf"), "--config", JOB,
-                "--output_dir", str(run_dir.parent), "--json", str(report_file), *VALIDATION)
+    proc = run_module("torchtitan_rl.eval", "--model", str(run_dir / "hf"), "--config", LETTERS_TOML,
+                "--output_dir", str(run_dir.parent), "--json", str(report_file), *LETTERS_VALIDATION)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(report_file.read_text())
     assert report["num_rollouts"] == 64 and report["samples_per_episode"] == 4
@@ -71,7 +64,7 @@ def test_eval_reports_per_turn_rewards_of_a_multi_turn_task(tmp_path, tiny_model
     # and end the rollout): make every token a stop token, so each reply is one token, the
     # environment scores it and the episode goes on to turn 2.
     every_token = ",".join(str(i) for i in range(3, 1024))
-    proc = _run("torchtitan_rl.eval", "--model", str(tiny_model_dir), "--config",
+    proc = run_module("torchtitan_rl.eval", "--model", str(tiny_model_dir), "--config",
                 "run_configs/alphabet_sort_cpu.toml", "--output_dir", str(tmp_path),
                 "--task.min_turns", "2", "--task.max_turns", "2", "--rollouter.max_turns", "2",
                 "--sampling.stop_token_ids", every_token,
