@@ -49,13 +49,16 @@ async def start_engine_loop(
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
     loop = asyncio.get_running_loop()
     engine = await loop.run_in_executor(executor, _build_engine_in_thread, config)
+    # The stand-in holds plain tensors, and asking vLLM's platform would import vLLM.
+    vllm_cpu_kernels = config.engine != "stand_in" and is_cpu_platform()
     load = config.weight_sync.load
     if load == "auto":  # the fast path where vLLM's CPU layout allows it
         load = "in_place" if (config.engine == "vllm" and tp == 1 and config.enforce_eager
-                              and is_cpu_platform()) else "reload"
+                              and vllm_cpu_kernels) else "reload"
         logger.info("weight_sync.load='auto': %s", load)
     puller = WeightPuller(config.model_dir, load=load,  # type: ignore[arg-type]
-                          repack_cpu_linears=config.weight_sync.repack_cpu_linears)
+                          repack_cpu_linears=config.weight_sync.repack_cpu_linears,
+                          vllm_cpu_kernels=vllm_cpu_kernels)
     await loop.run_in_executor(executor, puller.setup, engine)
     channel = None
     if tp > 1:

@@ -2,7 +2,7 @@
 the engine (controller, rollouts, weight pushes, Monarch) with many generators on few cores.
 
     Generator.Config(engine="stand_in", stand_in_tokens_per_s=...) -> build_engine(config)
-    engine_loop: add_request (through vllm_engine.add_request: renderer + SamplingParams)
+    engine_loop: add_request (through vllm_engine.add_request: renderer + Sampling)
                  step()        one output token per running request, paced by sleeping
                  abort_request, has_unfinished_requests, reset_prefix_cache, set_weight_version
     pull (weight_sync/pull.py, load "reload"): collective_rpc("reload_weights", ...) copies every
@@ -14,7 +14,7 @@ Exactly the subset of ``LLMEngine`` that ``generator/engine_loop.py``, ``vllm_en
 ``outputs[0]`` with token ids, one ``{token: Logprob}`` per token, finish reason and
 ``weight_versions`` spans; ``num_cached_tokens``; ``metrics``).
 
-Tokens: a request's tokens come from ``random.Random(seed)``, seeded by its ``SamplingParams.seed``
+Tokens: a request's tokens come from ``random.Random(seed)``, seeded by its ``Sampling.seed``
 (the job seeds every request) or else by (engine seed, request id): the same request gives the
 same reply on any engine. They are ordinary (non-special) ids of the model's tokenizer, so the
 task's environment decodes real text; each reply has a drawn length in [1, max_tokens] and ends
@@ -36,7 +36,7 @@ import pathlib
 import random
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
@@ -156,6 +156,9 @@ class StandInEngine:
     """Answers requests at ``tokens_per_s`` output tokens per second and holds a full copy of
     the model's weights, which pulls overwrite byte for byte."""
 
+    accepts_sampling: ClassVar[bool] = True
+    """``vllm_engine.add_request`` passes the request's ``Sampling`` (no vLLM import)."""
+
     def __init__(self, model_dir: str | pathlib.Path, *, tokens_per_s: float, seed: int = 0,
                  max_model_len: int = 2048, block_size: int = 32, dtype: str = "auto",
                  enable_prefix_caching: bool = True,
@@ -189,7 +192,8 @@ class StandInEngine:
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: dict[str, Any], params: Any) -> None:
-        """``params``: vLLM ``SamplingParams`` (max_tokens, seed, stop_token_ids are read)."""
+        """``params``: the request's ``Sampling`` or vLLM ``SamplingParams`` (max_tokens, seed,
+        stop_token_ids are read)."""
         if request_id in self._running:
             raise ValueError(f"request id {request_id!r} is already running")
         prompt_ids = list(prompt["prompt_token_ids"])

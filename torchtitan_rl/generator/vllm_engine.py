@@ -160,7 +160,10 @@ def add_request(engine: LLMEngine, request: EngineRequest, cache_salt: str | Non
     if cache_salt is not None:
         prompt["cache_salt"] = cache_salt
     (engine_input,) = engine.renderer.render_cmpl([prompt])
-    engine.add_request(request.request_id, engine_input, sampling_params(request.sampling))
+    # An engine that reads ``Sampling`` as it is (the stand-in) is spared importing vLLM.
+    params = (request.sampling if getattr(engine, "accepts_sampling", False)
+              else sampling_params(request.sampling))
+    engine.add_request(request.request_id, engine_input, params)
 
 
 def partial_output(engine: LLMEngine, request_id: str) -> RequestOutput | None:

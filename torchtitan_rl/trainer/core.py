@@ -15,6 +15,9 @@ rank must call them in the same order. A lone process (WORLD_SIZE unset or 1) ru
 Determinism: nothing in a step draws random numbers; the learning rate is a pure function of the
 step; a checkpoint holds model, AdamW state and ``policy_version`` (the step), so a resumed run
 repeats the uninterrupted one bit for bit on the same hardware and thread count.
+
+torchtitan's model and parallelism, DTensor and DCP are imported where a trainer uses them: the
+controller imports this module for its ``Config`` and would pay seconds for them at every start.
 """
 
 from __future__ import annotations
@@ -27,20 +30,9 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torchtitan.distributed import utils as dist_utils
 
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.faults import nan_loss_due
-from torchtitan_rl.models.qwen3 import (
-    AttnBackend,
-    build_qwen3_from_hf,
-    hf_state_dict_from_torchtitan,
-    model_attention_masks,
-    qwen3_flavor_config,
-    torchtitan_qwen3_config,
-)
-from torchtitan_rl.trainer import checkpoint as ckpt
 from torchtitan_rl.trainer.batch_log import BatchLog
 from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
 from torchtitan_rl.trainer.flops import UtilizationMeter
@@ -50,13 +42,6 @@ from torchtitan_rl.trainer.loss import (
     GRPOLoss,
     finalize_loss_metrics,
     token_logprobs_and_entropy,
-)
-from torchtitan_rl.trainer.parallel import (
-    build_parallel_dims,
-    init_trainer_distributed,
-    parallelize_model,
-    prepare_config_for_parallelism,
-    resolve_device_type,
 )
 from torchtitan_rl.types import TrainingSample
 
@@ -146,6 +131,14 @@ class PolicyTrainerCore(Configurable):
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.model_dir = str(model_dir) if model_dir is not None else None
+        from torchtitan_rl.models.qwen3 import qwen3_flavor_config, torchtitan_qwen3_config
+        from torchtitan_rl.trainer.parallel import (
+            build_parallel_dims,
+            init_trainer_distributed,
+            prepare_config_for_parallelism,
+            resolve_device_type,
+        )
+
         self.device_type = resolve_device_type(config.device)
         self.rank, self.world_size = init_trainer_distributed(self.device_type)
         self.device = torch.device(
@@ -154,7 +147,7 @@ class PolicyTrainerCore(Configurable):
         self.compute_dtype = _DTYPES[config.dtype]
         torch.manual_seed(config.seed)
 
-        backend: AttnBackend = config.attn_backend
+        backend = config.attn_backend
         self.model_config = (
             qwen3_flavor_config(config.flavor, attn_backend=backend)
             if config.flavor
@@ -254,6 +247,8 @@ class PolicyTrainerCore(Configurable):
         A non-finite gradient norm (a NaN/Inf loss, or NaN logprobs in the batch) skips the AdamW
         step: the weights and the optimizer state stay as they were (``trainer/skipped_step`` 1).
         The norm is reduced over every rank, so every rank takes the same decision."""
+        from torchtitan.distributed import utils as dist_utils
+
         start = time.perf_counter()
         lr = self._lr_at(self.policy_version)
         for group in self.optimizer.param_groups:
@@ -313,6 +308,8 @@ class PolicyTrainerCore(Configurable):
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         """torchtitan-named plain full tensors (collective over the trainer ranks; a tied weight
         is gathered once and appears under both names)."""
+        from torch.distributed.tensor import DTensor
+
         full: dict[tuple[int, int], torch.Tensor] = {}
         result = {}
         for name, tensor in self.model.state_dict().items():
@@ -327,10 +324,14 @@ class PolicyTrainerCore(Configurable):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named plain full tensors (collective); no lm_head when embeddings are tied."""
+        from torchtitan_rl.models.qwen3 import hf_state_dict_from_torchtitan
+
         return hf_state_dict_from_torchtitan(self.full_model_state_dict(), self.model_config)
 
     def save_checkpoint(self, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> None:
         """DCP checkpoint of model, AdamW state, policy_version and ``extra`` (JSON-able)."""
+        from torchtitan_rl.trainer import checkpoint as ckpt
+
         ckpt.save_checkpoint(
             path, model=self.model, optimizer=self.optimizer, step=self.policy_version,
             extra=extra or {},
@@ -338,12 +339,16 @@ class PolicyTrainerCore(Configurable):
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict[str, Any]:
         """Restore what save_checkpoint wrote (weights_only); returns its ``extra``."""
+        from torchtitan_rl.trainer import checkpoint as ckpt
+
         step, extra = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer)
         self.policy_version = step
         return extra
 
     def export_hf(self, path: str | os.PathLike, dtype: str = "") -> None:
         """Write an HF model dir (safetensors + config/tokenizer files of the source dir)."""
+        from torchtitan_rl.trainer import checkpoint as ckpt
+
         ckpt.export_hf(
             path, self.hf_state_dict(), source_dir=self.model_dir,
             dtype=_DTYPES[dtype] if dtype else None, write=self.rank == 0,
@@ -352,6 +357,9 @@ class PolicyTrainerCore(Configurable):
     # ---- helpers ----------------------------------------------------------------------------
 
     def _build_model(self) -> torch.nn.Module:
+        from torchtitan_rl.models.qwen3 import build_qwen3_from_hf
+        from torchtitan_rl.trainer.parallel import parallelize_model
+
         if self.config.flavor:
             with torch.device(self.device):
                 model = self.model_config.build()
@@ -366,6 +374,10 @@ class PolicyTrainerCore(Configurable):
         return model
 
     def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        from torchtitan_rl.models.qwen3 import model_attention_masks
+
         masks = model_attention_masks(self.model, positions)
         logits = self.model(input_ids, positions, masks)
         if isinstance(logits, DTensor):  # TP: vocab-sharded logits, gathered for the loss

@@ -53,7 +53,6 @@ from typing import Any, Literal
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from torchtitan_rl.weight_sync.shared_memory import StagedWeights
 
@@ -79,7 +78,9 @@ class WeightPuller:
     """
 
     def __init__(self, model_dir: str | pathlib.Path, *, load: WeightLoad = "reload",
-                 repack_cpu_linears: bool = True) -> None:
+                 repack_cpu_linears: bool = True, vllm_cpu_kernels: bool | None = None) -> None:
+        """``vllm_cpu_kernels``: whether the engine computes with vLLM's packed CPU kernels
+        (a reload then repacks a tied output head); None asks vLLM's platform."""
         if load not in WEIGHT_LOADS:
             raise ValueError(f"weight_sync.load must be one of {WEIGHT_LOADS}, got {load!r}")
         self.model_dir = pathlib.Path(model_dir)
@@ -88,6 +89,7 @@ class WeightPuller:
         with open(self.model_dir / "config.json") as f:
             hf_config = json.load(f)
         self.tied = bool(hf_config.get("tie_word_embeddings", False))
+        self.vllm_cpu_kernels = vllm_cpu_kernels
         self._model_config: Any = None
         self._expected: set[str] | None = None
 
@@ -145,7 +147,9 @@ class WeightPuller:
         engine.collective_rpc(
             "reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True)
         )
-        if self.tied and is_cpu_platform():
+        if self.vllm_cpu_kernels is None:
+            self.vllm_cpu_kernels = is_cpu_platform()
+        if self.tied and self.vllm_cpu_kernels:
             engine.apply_model(_repack_tied_lm_head)
 
     def expected_names(self) -> set[str]:
@@ -335,6 +339,10 @@ def _is_hf_name(name: str) -> bool:
 
 
 def _materialise(tensor: torch.Tensor) -> torch.Tensor:
+    # torch.distributed.tensor costs the controller and the stand-in generator most of a second
+    # to import; only a trainer sends DTensors, and it has imported it.
+    from torch.distributed.tensor import DTensor
+
     # A DTensor shard cannot be loaded as is: gather it (a collective on its own mesh).
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()

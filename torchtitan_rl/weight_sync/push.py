@@ -33,7 +33,6 @@ from typing import Any, Literal
 
 import torch
 
-from torchtitan_rl.models.qwen3 import hf_state_dict_from_torchtitan
 from torchtitan_rl.weight_sync.pull import weight_mismatches
 from torchtitan_rl.weight_sync.shared_memory import SharedMemoryStager, SharedTensorRef
 
@@ -111,6 +110,10 @@ class WeightPusher:
                      generators: Any) -> int:
         """Read every rank of ``generators`` back and compare bitwise with the full
         ``state_dict``; raises RuntimeError on a difference, else returns 0."""
+        # torchtitan's model package costs seconds to import; the controller and the generators
+        # import this module and never verify.
+        from torchtitan_rl.models.qwen3 import hf_state_dict_from_torchtitan
+
         expected = hf_state_dict_from_torchtitan(state_dict, self.model_config)
         tied = self.model_config.enable_weight_tying
         read_back = await generators.read_hf_weights.call()

@@ -35,11 +35,12 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,11 @@ def local_pieces(state_dict: dict[str, torch.Tensor], *, rank: int
     pieces, the tied aliases and the model's bytes (each distinct tensor once). No collective,
     except for a DTensor placement without a plain block layout (e.g. _StridedShard of FSDP+TP),
     gathered on every rank (same order everywhere) and sent by rank 0."""
+    # Here, not at the top: the generators import this module, and torch.distributed.tensor
+    # costs most of a second to import.
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     pieces: list[Piece] = []
     aliases: dict[str, str] = {}
     first_name: dict[tuple[int, int], str] = {}
@@ -121,6 +127,8 @@ def local_pieces(state_dict: dict[str, torch.Tensor], *, rank: int
 
 
 def _block_layout(tensor: DTensor) -> bool:
+    from torch.distributed.tensor import Replicate, Shard
+
     return all(type(p) in (Shard, Replicate) for p in tensor.placements)
 
 
