@@ -7,10 +7,16 @@ compact the encoding is. The chat template is ChatML, the format Qwen models use
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 import random
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -78,3 +84,18 @@ def train_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
     )
     tokenizer.train_from_iterator(training_corpus(seed=seed), trainer=trainer)
     return tokenizer
+
+
+def load_tokenizer(model_dir: str | os.PathLike) -> PreTrainedTokenizerBase:
+    """The tokenizer of an HF model dir: the class its ``tokenizer_config.json`` names, imported
+    alone, else ``AutoTokenizer``'s choice. ``AutoTokenizer`` itself imports transformers' auto
+    machinery (model mappings, torch._dynamo): seconds of start-up in every process that
+    tokenizes (controller, rollout workers, eval)."""
+    import transformers
+
+    config_file = pathlib.Path(model_dir) / "tokenizer_config.json"
+    name = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.exists() else None
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if cls is None:
+        cls = transformers.AutoTokenizer
+    return cls.from_pretrained(model_dir)

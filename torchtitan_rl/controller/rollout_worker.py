@@ -34,6 +34,7 @@ from typing import Any
 
 from monarch.actor import Actor, Port, concurrent_endpoint
 
+from torchtitan_rl.assets.tokenizer import load_tokenizer
 from torchtitan_rl.console import configure_process_logging
 from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
 from torchtitan_rl.controller.router import GeneratorRouter
@@ -116,12 +117,10 @@ class RolloutWorker(Actor):
         configure_process_logging()
         self.first_of_pool = first_of_pool
         self.num_finished = 0
-        from transformers import AutoTokenizer
-
         self.spec = spec
         self.task = spec.task.build()
         self.episodes = self.task.dataset("train")
-        tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
+        tokenizer = load_tokenizer(spec.model_dir)
         self.rollouter = spec.rollouter.build(tokenizer=tokenizer, make_env=self.task.make_env)
         self.handles = [self._borrow(ref) for ref in generators]
         self.router: GeneratorRouter = spec.router.build(generators=list(self.handles))

@@ -26,6 +26,7 @@ import pathlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from torchtitan_rl.assets.tokenizer import load_tokenizer
 from torchtitan_rl.controller.checkpointer import Checkpointer
 from torchtitan_rl.controller.data_cursor import DataCursor
 from torchtitan_rl.controller.generator_pool import GeneratorPool
@@ -59,14 +60,12 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
     """Spawn and build every part; ``checkpointer`` has prepared the run folder already,
     ``resume_step`` is the step a resumed run continues from (the weights the generators will be
     pushed), ``on_fatal`` fails the run (a generator that cannot be replaced)."""
-    from transformers import AutoTokenizer
-
     run_dir = pathlib.Path(plan.run_dir)
     model_dir = pathlib.Path(plan.model_dir)
     partial_rollouts = plan.loop.partial_rollout == "abort"
     # What can fail on bad input is built before any mesh exists (nothing to clean up then).
     task = plan.task.build()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     rollouter = plan.rollouter.build(tokenizer=tokenizer, make_env=task.make_env)
     validator = plan.validation.build(rollouter=rollouter, dataset=task.dataset("validation"))
     cursor = DataCursor(num_prompts=len(task.dataset("train")), seed=plan.seed)

@@ -19,6 +19,7 @@ import logging
 import pathlib
 from typing import Any
 
+from torchtitan_rl.assets.tokenizer import load_tokenizer
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.eval.report import DEFAULT_PASS_THRESHOLD, EvalReport, summarize
 from torchtitan_rl.rollout.types import RolloutGroup
@@ -62,13 +63,11 @@ def eval_plan(config: Any, model_dir: pathlib.Path) -> Any:
 async def evaluate(config: Any, model_dir: pathlib.Path | str, *,
                    pass_threshold: float = DEFAULT_PASS_THRESHOLD) -> EvalReport:
     """Run ``config``'s validation episodes on ``model_dir`` with one generator mesh."""
-    from transformers import AutoTokenizer
-
     from torchtitan_rl.generator import spawn_generator
 
     plan = eval_plan(config, pathlib.Path(model_dir))
     task = plan.task.build()
-    tokenizer = AutoTokenizer.from_pretrained(plan.model_dir)
+    tokenizer = load_tokenizer(plan.model_dir)
     rollouter = RecordingRollouter(plan.rollouter.build(tokenizer=tokenizer,
                                                         make_env=task.make_env))
     validator = plan.validation.build(rollouter=rollouter, dataset=task.dataset("validation"))

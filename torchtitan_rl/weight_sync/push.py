@@ -7,6 +7,7 @@ tests, a single generator).
 
     every trainer rank: full_model_state_dict()   (a collective: the caller gathers first)
     rank 0: WeightPusher.push(policy_version, state_dict, generators, transport=, verify=)
+      torchtitan names -> HF names (a rename, no copy: the generators need no torchtitan model)
       transport "message":        the tensors travel in a call to the generator's host (any
                                   host): to rank 0 alone, which shares them with the other
                                   ranks of its host through shared memory (once per host)
@@ -72,14 +73,19 @@ class WeightPusher:
             raise ValueError(
                 f"weight_transport must be one of {WEIGHT_TRANSPORTS}, got {transport!r}"
             )
+        from torchtitan_rl.models.qwen3 import hf_state_dict_from_torchtitan
+
         sent = time.perf_counter()
         metrics: dict[str, float] = {}
+        # HF names here, where torchtitan's model is imported already: the generators then never
+        # import it (seconds at their first pull).
+        hf_state_dict = hf_state_dict_from_torchtitan(state_dict, self.model_config)
         if transport == "shared_memory":
             # Streamed: the references go first and every generator rank copies each tensor
             # out as soon as its bytes are staged, so the two copies overlap.
             if self._stager is None:
                 self._stager = SharedMemoryStager()
-            refs, plan = self._stager.layout(state_dict)
+            refs, plan = self._stager.layout(hf_state_dict)
             pull = asyncio.ensure_future(
                 pull_on_every_rank(generators, policy_version, refs, streamed=True))
             try:
@@ -92,7 +98,7 @@ class WeightPusher:
             metrics["weight_sync/stage_s"] = time.perf_counter() - sent
             results = await pull
         else:
-            results = await pull_on_every_rank(generators, policy_version, state_dict)
+            results = await pull_on_every_rank(generators, policy_version, hf_state_dict)
         timings = [t for t in results if t]
         metrics["weight_sync/pull_s"] = time.perf_counter() - sent
         metrics["weight_sync/bytes"] = float(num_bytes(state_dict))
@@ -111,7 +117,7 @@ class WeightPusher:
         """Read every rank of ``generators`` back and compare bitwise with the full
         ``state_dict``; raises RuntimeError on a difference, else returns 0."""
         # torchtitan's model package costs seconds to import; the controller and the generators
-        # import this module and never verify.
+        # import this module and never push or verify.
         from torchtitan_rl.models.qwen3 import hf_state_dict_from_torchtitan
 
         expected = hf_state_dict_from_torchtitan(state_dict, self.model_config)
