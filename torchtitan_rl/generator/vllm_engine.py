@@ -78,9 +78,26 @@ def build_engine(config: EngineSpec) -> LLMEngine:
         scheduling_policy="fcfs",
         seed=config.seed,
     )
+    if config.enforce_eager:
+        _sampler_ranks_eagerly()
     engine = LLMEngine.from_engine_args(args)
     logger.info("vLLM engine ready: %s (%s, tp=%d)", config.model_dir, config.dtype, tp)
     return engine
+
+
+def _sampler_ranks_eagerly() -> None:
+    """vLLM's sampler ranks each sampled token with a ``torch.compile``d one-liner, even under
+    ``enforce_eager``; on the CPU platform its first call builds a C++ kernel with inductor,
+    seconds of CPU at every engine start (the first batch). With ``enforce_eager`` on CPU it
+    runs as the plain torch function it compiles (the same counts)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.sample import sampler
+
+    compiled = sampler.batched_count_greater_than
+    sampler.batched_count_greater_than = getattr(compiled, "_torchdynamo_orig_callable", compiled)
 
 
 def engine_builder(engine: str) -> Callable[[Any], Any]:
