@@ -2,7 +2,8 @@
 OUTPUT_DIR NAME NUM_STEPS [--resume] [--num-prompts N] [--staleness S] [--partial-rollout abort]
 [--num-generators N] [--max-restarts N] [--trainer-max-restarts N] [--checkpoint-every N]
 [--max-skipped-in-row N] [--placement KIND] [--generator-tp 1,2] [--num-trainer-ranks N]
-[--relay-chunk-bytes N] [--verify] [--num-workers N] [--engine vllm|stand_in]. Staleness 0 (the
+[--relay-chunk-bytes N] [--verify] [--num-workers N] [--engine vllm|stand_in]
+[--stand-in-tokens-per-s R]. Staleness 0 (the
 default) is synchronous training."""
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine", choices=["vllm", "stand_in"], default="vllm",
                         help="generator.engine: stand_in where the test is about the processes, "
                              "not the tokens (generator/stand_in_engine.py)")
+    parser.add_argument("--stand-in-tokens-per-s", type=float, default=None,
+                        help="the stand-in's pace: a low one makes steps last (sleeping), so "
+                             "a replacement is up before the run ends")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = tiny_job(args.output_dir, args.name, num_steps=args.num_steps,
@@ -70,6 +74,9 @@ def run(argv: list[str] | None = None) -> None:
     )
     if args.engine == "stand_in":
         config = on_stand_in_engines(config)
+        if args.stand_in_tokens_per_s is not None:
+            config = dataclasses.replace(config, generator=dataclasses.replace(
+                config.generator, stand_in_tokens_per_s=args.stand_in_tokens_per_s))
     sys.exit(run_and_report(config))
 
 

@@ -32,9 +32,12 @@ def _run_job(out: pathlib.Path, name: str, num_steps: int, *extra: str,
 def test_a_relayed_push_sends_each_byte_once_lands_bit_exact_and_survives_a_killed_relay(tmp_path):
     """One job: two FSDP trainer ranks push through a chain of 4 generators; generator_1 is
     killed mid-push of v1 and replaced, and the run goes on long enough for later pushes to
-    reach all 4 again."""
-    proc = _run_job(tmp_path, "relay", 150, "--num-prompts", "300", "--num-trainer-ranks", "2",
-                    "--engine", "stand_in", fault="kill_generator_mid_relay:2")
+    reach all 4 again: paced at 20 tokens/s, a step lasts about a second (asleep), and a
+    replacement takes a few."""
+    num_steps = 30
+    proc = _run_job(tmp_path, "relay", num_steps, "--num-prompts", str(2 * num_steps),
+                    "--num-trainer-ranks", "2", "--engine", "stand_in",
+                    "--stand-in-tokens-per-s", "20", fault="kill_generator_mid_relay:2")
     assert proc.returncode == 0, proc.stderr[-4000:]
     log = proc.stderr
     assert "relay v1: generator_1 was lost (chain position 1 of 4)" in log, log[-4000:]
@@ -46,7 +49,7 @@ def test_a_relayed_push_sends_each_byte_once_lands_bit_exact_and_survives_a_kill
     assert "generators: one proc mesh for 4 on 4 host(s)" in log, log[-4000:]
     assert "generator generator_1_r1 started" in log, log[-4000:]
     assert "generator_1 replaced by generator_1_r1" in log, log[-4000:]  # pushed and verified
-    assert metrics[149]["generator/restarts"] == 1
+    assert metrics[num_steps - 1]["generator/restarts"] == 1
     whole = [m for m in metrics.values()
              if m.get("weight_sync/relayed_generators_verified") == 4]
     assert whole, "no push reached all 4 generators after the replacement"
