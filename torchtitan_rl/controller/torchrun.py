@@ -54,7 +54,6 @@ from torchtitan_rl.controller.spawn import SpawnTrainer
 from torchtitan_rl.generator import GeneratorHandle
 from torchtitan_rl.trainer.batcher import Batcher
 from torchtitan_rl.trainer.core import PolicyTrainerCore
-from torchtitan_rl.trainer.parallel import init_trainer_distributed, resolve_device_type
 from torchtitan_rl.trainer.trainer import TrainerClient, sender_totals
 from torchtitan_rl.types import TrainingSample
 from torchtitan_rl.weight_sync.push import WeightPusher
@@ -125,6 +124,10 @@ class TrainerRank:
     def join(cls, device: str) -> TrainerRank:
         """Join the process group torchrun describes (gloo on CPU, NCCL on GPU), then create
         the gloo command group (a collective: every rank calls this once, first)."""
+        # Here, not at the top: every `torchtitan_rl.train` imports this module to ask
+        # torchrun_rank(), and torchtitan's parallelism costs seconds to import.
+        from torchtitan_rl.trainer.parallel import init_trainer_distributed, resolve_device_type
+
         rank, world_size = init_trainer_distributed(resolve_device_type(device))
         group = dist.new_group(backend="gloo", timeout=COMMAND_WAIT) if world_size > 1 else None
         logger.info("torchrun trainer rank %d/%d joined", rank, world_size)
