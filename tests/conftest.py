@@ -49,7 +49,8 @@ def _shared_fixture_group(item: pytest.Item) -> str | None:
         return None
     for name in item.fixturenames:  # type: ignore[attr-defined]
         for fixture_def in fixture_info.name2fixturedefs.get(name, ()):
-            if name == "tiny_model_dir":
+            # pytest's and plugins' own fixtures (tmp_path_factory...) have no base id
+            if name == "tiny_model_dir" or not fixture_def.baseid:
                 continue
             if fixture_def.scope == "module":
                 return item.nodeid.split("::")[0]
@@ -58,13 +59,17 @@ def _shared_fixture_group(item: pytest.Item) -> str | None:
     return None
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # At collection, before any collection_modifyitems hook: xdist's reads the groups into the
+    # node ids it schedules by.
+    if item.get_closest_marker("xdist_group") is None and (
+            group := _shared_fixture_group(item)) is not None:
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None and (
-                group := _shared_fixture_group(item)) is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

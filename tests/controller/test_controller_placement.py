@@ -181,9 +181,11 @@ def test_a_generator_host_lost_for_good_fails_the_run_with_one_line(tmp_path):
         [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "host", "100",
          "--placement", "process", "--engine", "stand_in"],
         # one generator: the run cannot finish without its host
-        # Monarch gives up on a host that stopped answering proc-state queries after this long
-        # (default 1 min, which the whole test waited for); the run's reaction is the same.
-        cwd=REPO_ROOT, env={**env_without_faults(), "HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE": "10s"},
+        # Monarch gives up on a host that stopped answering proc-state queries, and on a proc
+        # spawn there, after these (defaults 1 min and 30 s, which the whole test waited for);
+        # the run's reaction is the same.
+        cwd=REPO_ROOT, env={**env_without_faults(), "HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE": "10s",
+                            "HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE": "10s"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = LogWatch(proc.stderr)
     try:

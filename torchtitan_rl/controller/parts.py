@@ -18,8 +18,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from torchtitan_rl.controller.checkpointer import Checkpointer
@@ -64,15 +66,21 @@ class RunParts:
 
     async def close(self) -> None:
         """Close the meshes (rollout workers first: they borrow the generators; then the
-        generators: their outstanding calls fail, never hang, and a replacement in progress
-        stops before the trainer it pushes from) and the metrics files; a failure to close one
-        is logged, not raised."""
+        generators and the trainer together: the generators' close cancels a replacement in
+        progress, which pushes from the trainer, before it awaits anything; the hosts last) and
+        the metrics files; a failure to close one is logged, not raised."""
         self.metrics.close()
-        closers = [getattr(self.task, "aclose", None)]  # a task's own server (AgentTask's)
-        closers += [self.workers.close if self.workers is not None else None]
-        closers += [part.close for part in (self.generators, self.trainer, self.hosts)]
-        for close in filter(None, closers):
-            try:
-                await close()
-            except Exception as e:
-                logger.warning("shutdown: %r", e)
+        await _logged_close(getattr(self.task, "aclose", None))  # a task's server (AgentTask's)
+        await _logged_close(self.workers.close if self.workers is not None else None)
+        await asyncio.gather(_logged_close(self.generators.close),
+                             _logged_close(self.trainer.close))
+        await _logged_close(self.hosts.close)
+
+
+async def _logged_close(close: Callable[[], Awaitable[None]] | None) -> None:
+    if close is None:
+        return
+    try:
+        await close()
+    except Exception as e:
+        logger.warning("shutdown: %r", e)
