@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import sys
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -339,12 +340,11 @@ def _is_hf_name(name: str) -> bool:
 
 
 def _materialise(tensor: torch.Tensor) -> torch.Tensor:
-    # torch.distributed.tensor costs the controller and the stand-in generator most of a second
-    # to import; only a trainer sends DTensors, and it has imported it.
-    from torch.distributed.tensor import DTensor
-
+    # A DTensor exists only where torch.distributed.tensor was imported (a trainer); importing
+    # it here would cost a stand-in generator most of a second.
+    dtensor = sys.modules.get("torch.distributed.tensor")
     # A DTensor shard cannot be loaded as is: gather it (a collective on its own mesh).
-    if isinstance(tensor, DTensor):
+    if dtensor is not None and isinstance(tensor, dtensor.DTensor):
         tensor = tensor.full_tensor()
     return tensor.detach()
 
