@@ -28,6 +28,9 @@ from torchtitan_rl.types import Sampling
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
+TINY_MODEL_BYTES = 558_848
+"""One push of the tiny model's weights (float32; its tied embedding and output head once)."""
+
 
 def tiny_job(output_dir: pathlib.Path, name: str, *, num_steps: int = 3,
              max_staleness: int = 0, **loop_kwargs) -> RLJob.Config:

@@ -4,7 +4,9 @@ OUTPUT_DIR NAME NUM_STEPS [--resume] [--num-prompts N] [--staleness S] [--partia
 [--max-skipped-in-row N] [--placement KIND] [--generator-tp 1,2] [--num-trainer-ranks N]
 [--relay-chunk-bytes N] [--verify] [--num-workers N] [--engine vllm|stand_in]
 [--stand-in-tokens-per-s R]. Staleness 0 (the
-default) is synchronous training."""
+default) is synchronous training. Jobs on simulated hosts (--placement process) run here, never
+in the pytest process: monarch.job imports flask, whose proxies break vLLM's kernel scan of
+sys.modules for any later in-process engine."""
 
 from __future__ import annotations
 

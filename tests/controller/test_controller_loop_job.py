@@ -20,6 +20,7 @@ import torch
 
 from tests.controller.jobs import (
     REPO_ROOT,
+    TINY_MODEL_BYTES,
     assert_every_group_trained_once,
     env_without_faults,
     on_stand_in_engines,
@@ -157,6 +158,9 @@ def test_async_partial_rollouts_over_two_generators_stay_within_staleness(tmp_pa
         assert (m["time/generate_s"] / m["time/step_s"] - 1e-9
                 <= m["time/trainer_idle_ratio"] < 1.0), (step, m)
     assert metrics[0]["time/generator_idle_ratio"] < 1.0  # step 0's groups ran in its window
+    # One host: each generator maps the push from shared memory; the bytes count once each.
+    assert metrics[0]["weight_sync/generators_by_shared_memory"] == 2
+    assert metrics[0]["weight_sync/bytes_moved"] == 2 * TINY_MODEL_BYTES
     # Truncated importance sampling is on by default off-policy: weights are pi/pi_gen, not 1.
     assert any(metrics[step]["loss/tis_weight_mean"] != 1.0 for step in range(3))
     last = metrics[2]

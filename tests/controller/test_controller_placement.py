@@ -1,13 +1,11 @@
-"""Placement over hosts (real Monarch workers, vLLM, torchtitan on this machine): simulated hosts
-train exactly as one host does, runs attach to TCP workers, a dead worker fails in one line, a
+"""Placement over hosts (real Monarch workers, vLLM, torchtitan on this machine): runs attach to
+TCP workers (a tensor-parallel generator on one), a dead worker fails in one line, a
 generator lost on its host is replaced on that host; and the placement's config checks."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import pathlib
 import signal
 import socket
 import subprocess
@@ -17,7 +15,9 @@ import pytest
 
 from tests.controller.jobs import (
     REPO_ROOT,
+    TINY_MODEL_BYTES,
     LogWatch,
+    assert_every_group_trained_once,
     env_without_faults,
     read_metrics,
     tiny_job,
@@ -26,53 +26,6 @@ from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.controller.cluster_jobs import SlurmPlacement, slurm_job_kwargs
 from torchtitan_rl.controller.placement import Placement
 from torchtitan_rl.train import main
-
-TINY_MODEL_BYTES = 558_848
-"""One push of the tiny model's weights (float32; its tied embedding and output head once)."""
-
-
-def _run_two_generator_job(out: pathlib.Path, placement: str) -> pathlib.Path:
-    """Three synchronous steps with two generators, the second tensor-parallel 2 (the rank-0
-    LoopDecision broadcast in a job). In a process of its own: monarch.job imports flask, whose
-    proxies break vLLM's kernel scan of sys.modules for any later in-process engine (the
-    generator tests build some in this pytest process)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.controller.run_tiny_job", str(out), placement, "3",
-         "--num-generators", "2", "--generator-tp", "1,2", "--placement", placement],
-        cwd=REPO_ROOT, env=env_without_faults(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out / placement
-
-
-def _trained(run_dir: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in
-            (run_dir / "trained_samples.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def local_and_process_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("placement")
-    return _run_two_generator_job(out, "local"), _run_two_generator_job(out, "process")
-
-
-@pytest.mark.slow
-def test_job_over_simulated_hosts_trains_as_on_one_host(local_and_process_runs):
-    local, process = local_and_process_runs
-    # Synchronous training (S = 0) is deterministic: the hosts must change nothing but the wires.
-    assert _trained(process) == _trained(local)
-    local_metrics, process_metrics = read_metrics(local), read_metrics(process)
-    for step in range(3):
-        for key in ("rollout_reward/mean", "loss/value", "trainer/grad_norm"):
-            assert process_metrics[step][key] == local_metrics[step][key], (step, key)
-        for run in (local_metrics, process_metrics):
-            assert run[step]["router/generator_0/num_routed"] > 0
-            assert run[step]["router/generator_1/num_routed"] > 0  # the TP-2 generator served
-    # Same machine: one shared-memory copy per generator. Simulated hosts: one message per
-    # generator host; the TP-2 generator's rank 0 shares it with rank 1 on that host.
-    assert local_metrics[0]["weight_sync/generators_by_shared_memory"] == 2
-    assert process_metrics[0]["weight_sync/generators_by_shared_memory"] == 0
-    for run in (local_metrics, process_metrics):
-        assert run[0]["weight_sync/bytes_moved"] == 2 * TINY_MODEL_BYTES
 
 
 def _free_port() -> int:
@@ -102,8 +55,11 @@ def test_job_attached_to_tcp_workers_trains_with_the_message_transport(tmp_path)
     workers = [_start_worker(address) for address in addresses]
     try:
         config = tiny_job(tmp_path, "attached", num_steps=2, max_staleness=1)
+        # One tensor-parallel-2 generator: its ranks decide in lockstep (the rank-0 LoopDecision
+        # broadcast in a job), and a push reaches its host once (rank 0 shares it with rank 1).
         config = dataclasses.replace(
             config, placement=Placement.Config(kind="attach", workers=addresses),
+            generator_tensor_parallel_degrees=[2],
             trainer=dataclasses.replace(config.trainer, weight_transport="message"))
         summary = main(config)
         assert all(worker.poll() is None for worker in workers)  # the run stopped procs only
@@ -113,6 +69,7 @@ def test_job_attached_to_tcp_workers_trains_with_the_message_transport(tmp_path)
     assert summary["steps"] == 2
     metrics = read_metrics(tmp_path / "attached")
     for step in range(2):
+        assert metrics[step]["router/generator_0/num_routed"] > 0  # the TP-2 generator served
         assert metrics[step]["weight_sync/generators_by_shared_memory"] == 0
         assert metrics[step]["weight_sync/bytes_moved"] == TINY_MODEL_BYTES
         assert 0 <= metrics[step]["async/policy_age_max"] <= 1
@@ -165,9 +122,7 @@ def test_a_generator_lost_on_its_host_is_replaced_on_that_host(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, log.text()[-4000:]
-    steps = _trained(tmp_path / "lost")
-    assert [s["step"] for s in steps] == list(range(12))
-    assert sorted(g for s in steps for g in s["group_ids"]) == list(range(24))
+    assert_every_group_trained_once(tmp_path / "lost", 12, 24)
     assert read_metrics(tmp_path / "lost")[11]["generator/restarts"] == 1
 
 
@@ -241,7 +196,7 @@ def test_slurm_settings_reach_monarch_slurm_job():
     assert kwargs["job_start_timeout"] == 900
     assert kwargs["mem"] is None and kwargs["cpus_per_task"] is None  # left to Slurm
     assert kwargs["python_exe"] == sys.executable
-    # In a process of its own: monarch.job imports flask (see _run_two_generator_job).
+    # In a process of its own: monarch.job imports flask (see tests/controller/run_tiny_job.py).
     names = subprocess.run(
         [sys.executable, "-c", "import inspect; from monarch.job import SlurmJob; "
          "print(*inspect.signature(SlurmJob).parameters)"],

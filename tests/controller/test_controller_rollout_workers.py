@@ -22,6 +22,7 @@ import pytest
 
 from tests.controller.jobs import (
     REPO_ROOT,
+    TINY_MODEL_BYTES,
     assert_every_group_trained_once,
     env_without_faults,
     read_metrics,
@@ -341,12 +342,13 @@ def _trained(run_dir: pathlib.Path) -> list[dict]:
 @pytest.mark.slow
 def test_workers_on_a_simulated_host_train_the_groups_and_losses_of_a_job_without(
         tmp_path, sync_tiny_run):
-    without, _ = sync_tiny_run  # the same 3-step tiny job, its rollouts in the controller
+    """Also the placement's check: a job over simulated hosts trains as on one host."""
+    without, _ = sync_tiny_run  # the same 3-step tiny job on one host, rollouts in the controller
     # Outcomes held until a worker has no group left running: one message each way per worker
     # and step (S = 0 gives all of a step's groups in one event-loop turn).
     with_workers = _run_job(tmp_path, "workers", "--placement", "process", "--num-workers", "2",
                             "--worker-outcome-interval-s", "1e9")
-    # S = 0 and one seed: which process runs a rollout must change nothing but the wires.
+    # S = 0 and one seed: which host or process runs a rollout must change nothing but the wires.
     assert _trained(with_workers) == _trained(without)
     expected, got = read_metrics(without), read_metrics(with_workers)
     messages = [(got[step]["rollout/worker_group_messages"],
@@ -357,6 +359,10 @@ def test_workers_on_a_simulated_host_train_the_groups_and_losses_of_a_job_withou
                     "loss/num_valid_tokens", "router/generator_0/num_routed"):
             assert got[step][key] == expected[step][key], (step, key)
         assert got[step]["async/policy_age_max"] == 0
+        # One shared-memory copy on one host; a message to the generator's host on simulated ones.
+        assert expected[step]["weight_sync/generators_by_shared_memory"] == 1
+        assert got[step]["weight_sync/generators_by_shared_memory"] == 0
+        assert got[step]["weight_sync/bytes_moved"] == TINY_MODEL_BYTES
         assert got[step]["rollout/controller_cpu_ms_per_turn"] > 0
 
 

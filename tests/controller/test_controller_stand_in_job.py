@@ -8,11 +8,8 @@ import dataclasses
 
 import pytest
 
-from tests.controller.jobs import read_metrics, tiny_job
+from tests.controller.jobs import TINY_MODEL_BYTES, read_metrics, tiny_job
 from torchtitan_rl.train import main
-
-TINY_MODEL_BYTES = 558_848
-"""One push of the tiny model's weights (float32; its tied embedding and output head once)."""
 
 
 @pytest.mark.slow

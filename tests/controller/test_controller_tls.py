@@ -21,13 +21,11 @@ import threading
 
 import pytest
 
-from tests.controller.jobs import REPO_ROOT, read_metrics, tiny_job
+from tests.controller.jobs import REPO_ROOT, TINY_MODEL_BYTES, read_metrics, tiny_job
 from torchtitan_rl import tls
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.controller import attach_tls
 from torchtitan_rl.controller.placement import Placement
-
-TINY_MODEL_BYTES = 558_848
 
 
 def _load(folder: pathlib.Path, name: str):

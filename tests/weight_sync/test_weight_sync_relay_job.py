@@ -1,7 +1,7 @@
 """The relayed weight push through real Monarch procs (vLLM, torchtitan, simulated hosts): its
 per-sender bytes do not grow with the generators, every generator reads back bit-exact, and a
 relay generator killed mid-push is survived (weight_sync/relay.py, controller/generator_pool.py).
-Each job runs in a process of its own (see test_controller_placement._run_two_generator_job)."""
+Each job runs in a process of its own (see tests/controller/run_tiny_job.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import sys
 
 import pytest
 
-from tests.controller.jobs import REPO_ROOT, env_without_faults, read_metrics
-from tests.controller.test_controller_placement import TINY_MODEL_BYTES
+from tests.controller.jobs import REPO_ROOT, TINY_MODEL_BYTES, env_without_faults, read_metrics
 
 CHUNK_BYTES = 64 << 10
 """9 chunks of the tiny model: the chain is pipelined, and a kill can land mid-push."""
