@@ -7,23 +7,22 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import time
 
 import psutil
 import pytest
 
 from tests.controller.jobs import REPO_ROOT, env_without_faults
+from tests.controller.lifetime_testlib import (
+    RunSessions,
+    kill_all,
+    wait_for,
+    wait_gone,
+)
 from torchtitan_rl.controller import lifetime
 from torchtitan_rl.controller.lifetime import RUN_TOKEN_ENV, RunStopped, run_stoppable
-
-GONE_WITHIN_S = 60.0
-"""The bound docs/fault_tolerance.md states: after the controller's end, its processes are gone
-within this long (attach: Monarch's orphan reaping, measured 30-45 s; the others: seconds)."""
 
 SLEEPER_CODE = "import time; print('up', flush=True); time.sleep(600)"
 SLEEPER = [sys.executable, "-c", SLEEPER_CODE]
@@ -36,46 +35,6 @@ def _start(command: list[str], **kwargs) -> subprocess.Popen:
     process = subprocess.Popen(command, stdout=subprocess.PIPE, **kwargs)
     assert process.stdout.readline() == b"up\n"
     return process
-
-
-def _alive(pids: dict[int, float]) -> list[int]:
-    """Which of ``pids`` (pid -> create time, against pid reuse) still run (zombies do not)."""
-    alive = []
-    for pid, created in pids.items():
-        try:
-            p = psutil.Process(pid)
-            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
-def _wait_gone(pids: dict[int, float], timeout_s: float = GONE_WITHIN_S) -> list[int]:
-    """Polls until none of ``pids`` runs or ``timeout_s`` passes; returns those still running."""
-    deadline = time.monotonic() + timeout_s
-    while (alive := _alive(pids)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return alive
-
-
-def _in_sessions(sessions: set[int]) -> dict[int, float]:
-    found = {}
-    for p in psutil.process_iter(["pid", "create_time"]):
-        try:
-            if p.pid != os.getpid() and os.getsid(p.pid) in sessions:
-                found[p.pid] = p.info["create_time"]
-        except (ProcessLookupError, PermissionError):
-            pass
-    return found
-
-
-def _kill_sessions(pids: dict[int, float]) -> None:
-    for pid in _alive(pids):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 # ---- the mechanisms (fast) --------------------------------------------------------------------
@@ -146,11 +105,11 @@ def test_the_reaper_ends_a_host_session_when_its_controller_dies(end):
         assert os.getsid(host) not in (os.getsid(controller.pid), os.getsid(sidecar))
         controller.send_signal(end)
         controller.wait(timeout=10)
-        assert _wait_gone(pids) == []  # the host and then the sidecar itself
+        assert wait_gone(pids) == []  # the host and then the sidecar itself
     finally:
         controller.kill()
         controller.wait()
-        _kill_sessions(pids)
+        kill_all(pids)
 
 
 def test_sigterm_cancels_the_run_and_its_cleanup_runs():
@@ -189,15 +148,14 @@ def test_a_cleanup_that_hangs_is_cut_at_the_deadline():
 
 
 # ---- real runs (slow) ---------------------------------------------------------------------------
-def _train(out: pathlib.Path, *args: str, fault: str | None = None,
-           temp_dir: pathlib.Path | None = None) -> subprocess.Popen:
-    env = env_without_faults(fault)
-    if temp_dir is not None:
-        env["TMPDIR"] = str(temp_dir)
+TRAIN = [sys.executable, "-m", "torchtitan_rl.train", "--config",
+         "tests/controller/tiny_letter_job.toml"]
+
+
+def _train(out: pathlib.Path, *args: str, fault: str | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "torchtitan_rl.train", "--config",
-         "tests/controller/tiny_letter_job.toml", "--output_dir", str(out), *args],
-        cwd=REPO_ROOT, env=env, start_new_session=True,
+        [*TRAIN, "--output_dir", str(out), *args],
+        cwd=REPO_ROOT, env=env_without_faults(fault), start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -206,66 +164,42 @@ STAND_IN = ("--generator.engine", "stand_in", "--generator.stand_in_tokens_per_s
 what a test is about: the same actors and procs, without vLLM's start-up in each generator."""
 
 
-def _wait_for(condition, what: str, timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"no {what} in {timeout_s} s"
-        time.sleep(0.5)
-
-
+# The other endings are asserted on the runs of the fault tests that end that way (RunSessions):
+# a SIGKILLed controller on simulated hosts with vLLM and on one host with the stand-in
+# (test_controller_loop_job's resume tests), an error on simulated hosts
+# (test_controller_placement's host lost for good) and a success on simulated hosts
+# (test_controller_placement's generator replaced on its host).
 @pytest.mark.slow
-@pytest.mark.parametrize("placement, end, engine", [
-    ("local", "sigkill", "vllm"), ("process", "sigkill", "vllm"), ("process", "sigterm", "stand_in"),
-    ("local", "ctrl-c", "stand_in"), ("process", "success", "stand_in"),
-    ("process", "error", "stand_in"),
-])
-def test_every_process_of_a_run_is_gone_after_it_ends(tmp_path, placement, end, engine):
-    steps = "1" if end == "success" else "100"
-    fault = {"sigkill": "kill_controller_after_groups:4",
-             "error": "kill_trainer_after_steps:2"}.get(end)  # error: a lost trainer, no restart
-    # A short temp dir of its own (a socket path has <= 107 bytes): ProcessJob's socket folder.
-    temp_dir = pathlib.Path(tempfile.mkdtemp(prefix="ttrl"))
-    controller = _train(tmp_path, "--placement.kind", placement, "--loop.num_steps", steps,
-                        "--trainer.max_restarts", "0", *(STAND_IN if engine == "stand_in" else ()),
-                        fault=fault, temp_dir=temp_dir)
-    sessions = {controller.pid}  # its own session; each simulated host has one
+@pytest.mark.parametrize("placement, end", [("process", "sigterm"), ("local", "ctrl-c")])
+def test_every_process_of_a_run_is_gone_after_it_ends(tmp_path, placement, end):
+    run = RunSessions()
+    controller = run.start(
+        [*TRAIN, "--output_dir", str(tmp_path), "--placement.kind", placement,
+         "--loop.num_steps", "100", "--trainer.max_restarts", "0", *STAND_IN],
+        env_without_faults(),
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # Any checkpoint: step-000001 alone is deleted three saves later (keep_last), which a
         # fast run does within one poll.
         checkpoints = tmp_path / "letters" / "checkpoints"
-        _wait_for(lambda: any(checkpoints.glob("step-*")) or controller.poll() is not None,
-                  "a checkpoint")
-        try:
-            sessions |= {os.getsid(p.pid) for p in
-                         psutil.Process(controller.pid).children(recursive=True)}
-        except psutil.NoSuchProcess:  # the success or SIGKILL case ended already
-            pass
-        if placement == "process" and end not in ("sigkill", "error"):
+        wait_for(lambda: any(checkpoints.glob("step-*")) or controller.poll() is not None,
+                 "a checkpoint")
+        run.look()
+        if placement == "process":
             # 2 hosts (+ the reaper): tracked; a controller that ended already says why
-            assert len(sessions) >= 3, (sessions, controller.poll(), controller.poll() is not None
-                                        and controller.communicate()[1][-3000:])
-        tracked = _in_sessions(sessions)
-        if end in ("sigterm", "ctrl-c"):
-            controller.send_signal(signal.SIGTERM if end == "sigterm" else signal.SIGINT)
+            assert len(run.sessions) >= 3, (run.sessions, controller.poll(),
+                                            controller.poll() is not None
+                                            and controller.communicate()[1][-3000:])
+        controller.send_signal(signal.SIGTERM if end == "sigterm" else signal.SIGINT)
         _, stderr = controller.communicate(timeout=lifetime.STOP_DEADLINE_S + 30)
-        tracked.update(_in_sessions(sessions))  # anything started since
-        assert _wait_gone(tracked) == [], [psutil.Process(p).cmdline() for p in _alive(tracked)]
-        # Nothing left in the temp dir either: ProcessJob's kill or, after a SIGKILL, the reaper
-        # removes the simulated hosts' socket folder.
-        _wait_for(lambda: not any(temp_dir.glob("monarch_process_job_*")),
-                  "removal of the socket folder", timeout_s=60.0)
+        run.assert_all_gone()
     finally:
-        controller.kill()
-        _kill_sessions(_in_sessions(sessions))
-        shutil.rmtree(temp_dir, ignore_errors=True)
-    expected = {"sigkill": -signal.SIGKILL, "sigterm": 128 + signal.SIGTERM,
-                "ctrl-c": 128 + signal.SIGINT, "success": 0, "error": 1}[end]
-    assert controller.returncode == expected, stderr[-3000:]
-    if end in ("sigterm", "ctrl-c"):
-        name = "SIGTERM" if end == "sigterm" else "SIGINT"
-        lines = stderr.replace("\r", "\n").splitlines()
-        assert [line.strip() for line in lines if name in line or "error" in line.lower()] == [
-            f"stopping: {name} (closing the run's processes)"], stderr[-3000:]
+        run.close()
+    name, signum = ("SIGTERM", signal.SIGTERM) if end == "sigterm" else ("SIGINT", signal.SIGINT)
+    assert controller.returncode == 128 + signum, stderr[-3000:]
+    lines = stderr.replace("\r", "\n").splitlines()
+    assert [line.strip() for line in lines if name in line or "error" in line.lower()] == [
+        f"stopping: {name} (closing the run's processes)"], stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -286,11 +220,11 @@ def test_an_attach_worker_stops_a_gone_clients_procs_and_keeps_serving(tmp_path)
         first.communicate(timeout=600)
         assert first.returncode == -signal.SIGKILL
         assert procs(), "the killed client's procs should be there to reap"
-        assert _wait_gone(procs()) == [], "the gone client's procs are still running"
+        assert wait_gone(procs()) == [], "the gone client's procs are still running"
         second = _train(tmp_path, *attach, "--name", "second", "--loop.num_steps", "1")
         _, stderr = second.communicate(timeout=600)
         assert second.returncode == 0, stderr[-3000:]  # the workers served a new run
-        assert _wait_gone(procs()) == []
+        assert wait_gone(procs()) == []
         assert all(worker.poll() is None for worker in workers)
     finally:
         for worker in workers:

@@ -21,6 +21,7 @@ import torch
 from tests.controller.jobs import (
     REPO_ROOT,
     TINY_MODEL_BYTES,
+    LogWatch,
     assert_every_group_trained_once,
     env_without_faults,
     on_stand_in_engines,
@@ -28,6 +29,7 @@ from tests.controller.jobs import (
     run_killing_generator_0,
     tiny_job,
 )
+from tests.controller.lifetime_testlib import RunSessions
 from torchtitan_rl.controller.data_cursor import DataCursor
 from torchtitan_rl.controller.job import RLJob
 from torchtitan_rl.controller.loop import TrainingLoop
@@ -43,17 +45,35 @@ def _run_tiny_job(*args: str, fault: str | None = None) -> subprocess.CompletedP
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("staleness, num_workers, engine",
-                         [(0, 0, "vllm"), (2, 0, "stand_in"), (2, 2, "stand_in")])
-def test_resume_after_sigkill_loses_nothing(tmp_path, staleness, num_workers, engine):
+@pytest.mark.parametrize("staleness, num_workers, engine, placement",
+                         [(0, 0, "vllm", "process"), (2, 0, "stand_in", "local"),
+                          (2, 2, "stand_in", "local")])
+def test_resume_after_sigkill_loses_nothing(tmp_path, staleness, num_workers, engine, placement):
+    """Also the lifetime endings by SIGKILL (test_controller_lifetime): a SIGKILLed controller
+    leaves no process behind, on one host and on simulated hosts (its procs, generators and
+    engines, the hosts, its orphan reaper), and no socket folder."""
     num_prompts, groups_per_step = 8, 2  # one epoch = 4 steps of 2 groups (tiny_job)
     num_steps = num_prompts // groups_per_step
     kill_after = random.Random(20261123 + staleness).randint(1, num_steps - 1)
     args = [str(tmp_path), "killed", str(num_steps), "--num-prompts", str(num_prompts),
-            "--staleness", str(staleness), "--num-workers", str(num_workers), "--engine", engine]
+            "--staleness", str(staleness), "--num-workers", str(num_workers), "--engine", engine,
+            "--placement", placement]
 
-    killed = _run_tiny_job(*args, fault=f"kill_controller_after_checkpoints:{kill_after}")
-    assert killed.returncode == -signal.SIGKILL, (kill_after, killed.stderr[-2000:])
+    run = RunSessions()
+    try:
+        killed = run.start(
+            [sys.executable, "-m", "tests.controller.run_tiny_job", *args],
+            env_without_faults(f"kill_controller_after_checkpoints:{kill_after}"),
+            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        log = LogWatch(killed.stderr)
+        log.wait_for(r"generator generator_0 started ")
+        run.look()  # the hosts' sessions, while the run is up (it trains a step before the kill)
+        killed.wait(timeout=600)
+        log.wait_closed()
+        run.assert_all_gone()
+    finally:
+        run.close()
+    assert killed.returncode == -signal.SIGKILL, (kill_after, log.text()[-2000:])
     run_dir = tmp_path / "killed"
     checkpoint = json.loads((run_dir / "checkpoints" / f"step-{kill_after:06d}" /
                              "controller.json").read_text())

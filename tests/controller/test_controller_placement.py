@@ -22,6 +22,7 @@ from tests.controller.jobs import (
     read_metrics,
     tiny_job,
 )
+from tests.controller.lifetime_testlib import RunSessions
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.controller.cluster_jobs import SlurmPlacement, slurm_job_kwargs
 from torchtitan_rl.controller.placement import Placement
@@ -97,20 +98,25 @@ def test_a_worker_gone_before_the_run_fails_it_with_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_a_generator_lost_on_its_host_is_replaced_on_that_host(tmp_path):
-    proc = subprocess.Popen(
+    """Also a lifetime ending (test_controller_lifetime): a success on simulated hosts leaves no
+    process and no socket folder behind."""
+    run = RunSessions()
+    proc = run.start(
         [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "lost", "12",
          "--num-prompts", "24", "--placement", "process", "--engine", "stand_in"],
         # 12 steps: long enough to read the new pid
-        cwd=REPO_ROOT, env=env_without_faults(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env_without_faults(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
     log = LogWatch(proc.stderr)
     try:
         started = log.wait_for(r"generator generator_0 started \(tp=1, pids (\d+) ")
-        trainer_host = os.getsid(proc.pid)
+        controller_session = os.getsid(proc.pid)
         lost_pid = int(started.group(1))
         generator_host = os.getsid(lost_pid)  # the simulated host's worker session
-        assert generator_host != trainer_host
+        assert generator_host != controller_session
         log.wait_for(r"step=1 ")
+        run.look()  # the run cannot end before the replacement: it is up
+        assert len(run.sessions) >= 3, run.sessions  # 2 hosts (+ the reaper)
         os.kill(lost_pid, signal.SIGKILL)
         replaced = log.wait_for(r"generator generator_0_r1 started \(tp=1, pids (\d+) ")
         try:
@@ -118,9 +124,9 @@ def test_a_generator_lost_on_its_host_is_replaced_on_that_host(tmp_path):
         except ProcessLookupError:
             pytest.fail("the replacement ended before its host could be read")
         proc.wait(timeout=600)
+        run.assert_all_gone()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        run.close()
     assert proc.returncode == 0, log.text()[-4000:]
     assert_every_group_trained_once(tmp_path / "lost", 12, 24)
     assert read_metrics(tmp_path / "lost")[11]["generator/restarts"] == 1
@@ -131,26 +137,30 @@ def test_a_generator_host_lost_for_good_fails_the_run_with_one_line(tmp_path):
     """The generator's whole host (its worker and procs) dies: Monarch reports the generator
     lost (after HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE: no proc is left to report), the
     replacement cannot spawn there (its spawn is bounded), and the run fails with one line
-    instead of waiting for the host."""
-    proc = subprocess.Popen(
+    instead of waiting for the host. Also a lifetime ending (test_controller_lifetime): an error
+    on simulated hosts leaves no process and no socket folder behind."""
+    run = RunSessions()
+    proc = run.start(
         [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "host", "100",
          "--placement", "process", "--engine", "stand_in"],
         # one generator: the run cannot finish without its host
         # Monarch gives up on a host that stopped answering proc-state queries, and on a proc
         # spawn there, after these (defaults 1 min and 30 s, which the whole test waited for);
         # the run's reaction is the same.
-        cwd=REPO_ROOT, env={**env_without_faults(), "HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE": "10s",
-                            "HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE": "10s"},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        {**env_without_faults(), "HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE": "10s",
+         "HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE": "10s"},
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = LogWatch(proc.stderr)
     try:
         started = log.wait_for(r"generator generator_0 started \(tp=1, pids (\d+) ")
         log.wait_for(r"step=1 ")
+        run.look()  # the run cannot end without this host: it is up
+        assert len(run.sessions) >= 3, run.sessions  # 2 hosts (+ the reaper)
         os.killpg(os.getsid(int(started.group(1))), signal.SIGKILL)  # the host's worker session
         proc.wait(timeout=600)
+        run.assert_all_gone()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        run.close()
     assert proc.returncode == 1, log.text()[-4000:]
     errors = [line for line in log.text().splitlines() if line.startswith("error:")]
     assert len(errors) == 1, log.text()[-4000:]

@@ -19,12 +19,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.controller.jobs import (
     REPO_ROOT,
     TINY_MODEL_BYTES,
     assert_every_group_trained_once,
     env_without_faults,
+    read_hf_weights,
     read_metrics,
     run_killing_generator_0,
 )
@@ -363,6 +365,11 @@ def test_workers_on_a_simulated_host_train_the_groups_and_losses_of_a_job_withou
         assert expected[step]["weight_sync/generators_by_shared_memory"] == 1
         assert got[step]["weight_sync/generators_by_shared_memory"] == 0
         assert got[step]["weight_sync/bytes_moved"] == TINY_MODEL_BYTES
+    # Two runs of one seed: the same final weights, bit for bit.
+    final_without, final_with = read_hf_weights(without / "hf"), read_hf_weights(with_workers / "hf")
+    assert final_without.keys() == final_with.keys()
+    for name in final_without:
+        assert torch.equal(final_without[name], final_with[name]), name
         assert got[step]["rollout/controller_cpu_ms_per_turn"] > 0
 
 

@@ -1,12 +1,13 @@
 """The synchronous job end to end (Monarch meshes, vLLM generator, torchtitan trainer): a 3-step run
-leaves finite metrics, TensorBoard scalars and checkpoints; resuming from step 2 repeats step 3 bit
-for bit; cross-field config errors are one line each."""
+leaves finite metrics, TensorBoard scalars and checkpoints; resuming it from its step-2 checkpoint
+repeats step 3 bit for bit; cross-field config errors are one line each."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -60,28 +61,31 @@ def test_three_step_sync_run_logs_finite_metrics_tensorboard_and_checkpoints(uni
 
 
 @pytest.mark.slow
-def test_a_second_run_of_one_seed_stopped_and_resumed_is_identical_bit_for_bit(
+def test_a_run_resumed_from_its_step_2_checkpoint_repeats_step_3_bit_for_bit(
         uninterrupted_run, tmp_path):
-    """Two staleness-0 runs of one seed, the second stopped after step 2 and resumed from its
-    checkpoint: every step's metrics are equal exactly (steps 1-2: two runs of one seed; step 3:
-    across the resume) and so are the final weights."""
+    """The uninterrupted run's folder as a run stopped after its step-2 checkpoint leaves it (the
+    step-3 checkpoint and the export gone, the logs of step 3 still there), resumed: step 3's
+    metrics and the final weights equal the uninterrupted run's exactly. (That two runs of one
+    seed are identical at every step is the rollout-worker job's check against the same run.)"""
     full_dir, _ = uninterrupted_run
-    first = tiny_job(tmp_path, "resumed", num_steps=2)
-    main(first)
-    resumed = dataclasses.replace(
-        first, loop=dataclasses.replace(first.loop, num_steps=3),
-        checkpoint=dataclasses.replace(first.checkpoint, resume="must"),
-    )
-    summary = main(resumed)
+    run_dir = tmp_path / "full"
+    shutil.copytree(full_dir, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step-000003")
+    shutil.rmtree(run_dir / "hf")
+    config = tiny_job(tmp_path, "full")
+    summary = main(dataclasses.replace(config, checkpoint=dataclasses.replace(
+        config.checkpoint, resume="must")))
     assert summary["steps"] == 3 and summary["resumed_from_step"] == 2
-    full, again = read_metrics(full_dir), read_metrics(tmp_path / "resumed")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss/value" in r] == [0, 1, 2]  # step 3 logged once
+    full, again = read_metrics(full_dir), read_metrics(run_dir)
     for step in range(3):
         for key in ("loss/value", "trainer/grad_norm", "rollout_reward/mean",
                     "loss/num_valid_tokens"):
             assert again[step][key] == full[step][key], (step, key)  # exact, not approximate
         assert again[step]["async/policy_age_max"] == 0
     final_full = read_hf_weights(full_dir / "hf")
-    final_again = read_hf_weights(tmp_path / "resumed" / "hf")
+    final_again = read_hf_weights(run_dir / "hf")
     assert final_full.keys() == final_again.keys()
     for name in final_full:
         assert torch.equal(final_full[name], final_again[name]), name

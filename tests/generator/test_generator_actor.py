@@ -83,13 +83,29 @@ def test_tp2_ranks_generate_identical_tokens_equal_to_tp1_before_and_after_a_pul
     assert [b.token_ids for b in before] != [a.token_ids for a in after], "weights had no effect"
 
 
-def test_tp1_actor_serves_generate_abort_pull_and_close() -> None:
+def test_tp1_actor_batches_generates_and_serves_abort_pull_and_close() -> None:
+    """Requests made in one event-loop turn leave in one message and their outcomes come back
+    batched on one port: each future still gets its own completion or error, and a request
+    cancelled before it left never reaches rank 0. Then, on the same actor: generate, abort,
+    pull and close."""
     config = tiny_config()
+    requests = _requests(6)
 
     async def scenario() -> dict:
         handle = await spawn_generator(config, name="generator_tp1")
         seen: dict = {}
         try:
+            futures = [handle.generate(req(rid, prompt, sampling))
+                       for rid, prompt, sampling in requests]
+            empty = handle.generate(req("empty", [], greedy(4)))
+            dropped = handle.generate(req("dropped", [8, 9], greedy(400)))
+            dropped.cancel()
+            seen["completions"] = await asyncio.gather(*futures)
+            with pytest.raises(ValueError, match="prompt_token_ids is empty"):
+                await empty
+            seen["inflight_after_batch"] = await handle.count_inflight_requests()
+            seen["digests"] = await handle.get_finished_digests()
+
             seen["first"] = await handle.generate(req("first", [5, 6, 7], greedy(8)))
             # The handle sends at call time and one caller's messages start in order: the
             # generate is registered before the abort.
@@ -108,6 +124,14 @@ def test_tp1_actor_serves_generate_abort_pull_and_close() -> None:
         return seen
 
     seen = run(scenario(), timeout_s=300)
+    reference = raw_generate(build_engine(config), requests)
+    for (rid, _, _), completion in zip(requests, seen["completions"]):
+        assert isinstance(completion, Completion) and completion.request_id == rid
+        assert completion.token_ids == list(reference[rid].token_ids)
+    # "dropped" (400 tokens) would still be in flight, or among the finished, had it been sent.
+    assert seen["inflight_after_batch"] == 0
+    assert [num_finished for _, num_finished, _ in seen["digests"]] == [len(requests)]
+
     first, long, pulled = seen["first"], seen["long"], seen["pulled"]
     assert len(first.token_ids) == 8 and first.token_policy_versions == [0] * 8
     assert seen["num_aborted"] == 1
@@ -116,38 +140,3 @@ def test_tp1_actor_serves_generate_abort_pull_and_close() -> None:
     assert seen["version"] == 3 and pulled.token_policy_versions == [3] * 8
     assert pulled.token_ids != first.token_ids
     assert seen["inflight_before_close"] == 1
-
-
-def test_generates_made_together_travel_as_one_submit_and_each_gets_its_own_outcome() -> None:
-    """Requests made in one event-loop turn leave in one message and their outcomes come back
-    batched on one port: each future still gets its own completion or error, and a request
-    cancelled before it left never reaches rank 0."""
-    config = tiny_config()
-    requests = _requests(6)
-
-    async def scenario() -> dict:
-        handle = await spawn_generator(config, name="generator_batched")
-        seen: dict = {}
-        try:
-            futures = [handle.generate(req(rid, prompt, sampling))
-                       for rid, prompt, sampling in requests]
-            empty = handle.generate(req("empty", [], greedy(4)))
-            dropped = handle.generate(req("dropped", [8, 9], greedy(400)))
-            dropped.cancel()
-            seen["completions"] = await asyncio.gather(*futures)
-            with pytest.raises(ValueError, match="prompt_token_ids is empty"):
-                await empty
-            seen["inflight_after"] = await handle.count_inflight_requests()
-            seen["digests"] = await handle.get_finished_digests()
-        finally:
-            await handle.close()
-        return seen
-
-    seen = run(scenario(), timeout_s=300)
-    reference = raw_generate(build_engine(config), requests)
-    for (rid, _, _), completion in zip(requests, seen["completions"]):
-        assert isinstance(completion, Completion) and completion.request_id == rid
-        assert completion.token_ids == list(reference[rid].token_ids)
-    # "dropped" (400 tokens) would still be in flight, or among the finished, had it been sent.
-    assert seen["inflight_after"] == 0
-    assert [num_finished for _, num_finished, _ in seen["digests"]] == [len(requests)]

