@@ -21,7 +21,13 @@ import threading
 
 import pytest
 
-from tests.controller.jobs import REPO_ROOT, TINY_MODEL_BYTES, read_metrics, tiny_job
+from tests.controller.jobs import (
+    REPO_ROOT,
+    TINY_MODEL_BYTES,
+    on_stand_in_engines,
+    read_metrics,
+    tiny_job,
+)
 from torchtitan_rl import tls
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.controller import attach_tls
@@ -283,7 +289,9 @@ def test_job_attached_to_tls_workers_trains(tmp_path, certs, restored_monarch_en
     addresses = [f"tls://127.0.0.1:{_free_port()}" for _ in range(2)]
     workers = [_start_tls_worker(address, certs) for address in addresses]
     try:
-        config = tiny_job(tmp_path, "tls", num_steps=2, max_staleness=1)
+        # The stand-in engine: the transport is the subject (a job on real vLLM attached to
+        # workers is test_controller_placement's, over tcp).
+        config = on_stand_in_engines(tiny_job(tmp_path, "tls", num_steps=2, max_staleness=1))
         config = dataclasses.replace(
             config,
             placement=Placement.Config(kind="attach", workers=addresses, tls=str(certs)),
