@@ -12,6 +12,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/setup_env.sh || exit 1
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
+# This repo's bytecode, once: every job's processes (controller, trainer, generators) import its
+# modules, and under PYTHONDONTWRITEBYTECODE each would compile them from source.
+.venv/bin/python -m compileall -q -j 0 torchtitan_rl tests bench > /dev/null
 args=(--durations=15 -n "${TEST_WORKERS:-2}" --dist loadgroup)
 for arg in "$@"; do
     case "$arg" in

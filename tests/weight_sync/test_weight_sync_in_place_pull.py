@@ -33,7 +33,8 @@ from torchtitan_rl.models.qwen3 import (
     torchtitan_state_dict_from_hf,
 )
 from torchtitan_rl.types import Completion
-from torchtitan_rl.weight_sync import WeightPuller, WeightPusher, weight_mismatches
+from torchtitan_rl.weight_sync import WeightPusher, weight_mismatches
+from torchtitan_rl.weight_sync.pull import repack_cpu_linears, unpack_cpu_linears, vllm_model
 
 pytestmark = pytest.mark.slow  # Monarch procs and vLLM engines
 
@@ -78,10 +79,12 @@ def test_in_place_push_generates_like_a_fresh_engine_and_verifies_bitwise(
         return seen
 
     seen = run(scenario(), timeout_s=300)
-    # The reference: the same kernels (set up as the generator sets up its engine), from the
-    # pushed weights' model dir.
+    # The reference: the same kernels (unpacked, then repacked or not, as WeightPuller.setup
+    # leaves a generator's engine), from the pushed weights' model dir.
     fresh = build_engine(tiny_config(model_dir=str(new_dir)))
-    WeightPuller(new_dir, load="in_place", repack_cpu_linears=repack).setup(fresh)
+    unpack_cpu_linears(vllm_model(fresh))
+    if repack:
+        repack_cpu_linears(vllm_model(fresh))
     reference = raw_generate(fresh, [(f"ref-{i}", prompt, greedy(16))
                                      for i, prompt in enumerate(PROMPTS)])
     for metrics in seen["metrics"]:
