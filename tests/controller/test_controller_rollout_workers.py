@@ -392,42 +392,51 @@ def test_a_generator_killed_with_workers_on_is_replaced_and_its_groups_restart(t
     assert restarts == log.count("restarts from its prompt") >= 1, log[-4000:]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("num_workers", [1, 2])
-def test_a_rollout_worker_killed_mid_run_has_its_groups_restart(tmp_path, num_workers):
-    # One worker: after the kill no group can run until its replacement serves them. Two: they
-    # share one proc mesh (shared_procs.py); worker 0's proc dies alone and worker 1 runs the
-    # restarted groups (the run may end before worker 0's replacement serves).
-    num_steps, num_prompts = 4, 8
+def _run_killing_rollout_worker_0(tmp_path, num_steps: int, num_prompts: int,
+                                  *args: str) -> subprocess.CompletedProcess:
+    """A stand-in job (S = 1) whose rollout worker 0 SIGKILLs itself after its second group."""
     proc = subprocess.run(
         [sys.executable, "-m", "tests.controller.run_tiny_job", str(tmp_path), "lost_worker",
-         str(num_steps), "--num-prompts", str(num_prompts), "--num-workers", str(num_workers),
-         "--staleness", "1", "--engine", "stand_in"],
+         str(num_steps), "--num-prompts", str(num_prompts), "--staleness", "1",
+         "--engine", "stand_in", *args],
         cwd=REPO_ROOT, env=env_without_faults("kill_rollout_worker_after_groups:2"),
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"steps={num_steps}" in proc.stdout.strip().splitlines()[-1].split()
     run_dir = tmp_path / "lost_worker"
+    # The group the worker died under (finished there, never replied) restarted whole, and so
+    # did any other it held: every group trained exactly once.
     assert_every_group_trained_once(run_dir, num_steps, num_prompts)
     log = proc.stderr
     assert "fault injection: SIGKILL at kill_rollout_worker_after_groups=2" in log
     assert "rollout worker 0 lost: " in log, log[-4000:]
-    assert ("rollout_workers: one proc mesh for 2 on 1 host(s)" in log) == (num_workers == 2)
-    last = read_metrics(run_dir)[num_steps - 1]
-    if num_workers == 1:
-        assert "rollout worker 0 replaced (rollout_worker_0_r1)" in log, log[-4000:]
-        assert last["rollout/workers_replaced"] == 1
-    # The group the worker died under (finished there, never replied) restarted whole, and
-    # so did any other it held: all 8 trained exactly once above.
-    assert last["generator/groups_restarted_after_loss"] >= 1
+    assert read_metrics(run_dir)[num_steps - 1]["generator/groups_restarted_after_loss"] >= 1
+    return proc
+
+
+@pytest.mark.slow
+def test_a_rollout_worker_killed_mid_run_has_its_groups_restart(tmp_path):
+    # One worker: after the kill no group can run until its replacement serves them. (Two
+    # sharing one proc mesh: the next test's run.)
+    proc = _run_killing_rollout_worker_0(tmp_path, 4, 8, "--num-workers", "1")
+    assert "rollout_workers: one proc mesh for" not in proc.stderr
+    assert "rollout worker 0 replaced (rollout_worker_0_r1)" in proc.stderr, proc.stderr[-4000:]
+    assert read_metrics(tmp_path / "lost_worker")[3]["rollout/workers_replaced"] == 1
 
 
 @pytest.mark.slow
 def test_partial_rollouts_in_workers_over_two_generators_stay_within_staleness(tmp_path):
-    run_dir = _run_job(tmp_path, "partial", "--staleness", "1", "--partial-rollout", "abort",
-                       "--num-generators", "2", "--num-workers", "2", "--engine", "stand_in")
-    metrics = {step: m for step, m in read_metrics(run_dir).items() if "loss/value" in m}
-    assert sorted(metrics) == [0, 1, 2]  # (step 3 holds the final validation only)
+    """Also a rollout worker killed mid-run when two share one proc mesh (shared_procs.py):
+    worker 0's proc dies alone, worker 1 runs the restarted groups (the run may end before
+    worker 0's replacement serves)."""
+    num_steps = 4
+    proc = _run_killing_rollout_worker_0(
+        tmp_path, num_steps, 8, "--partial-rollout", "abort", "--num-generators", "2",
+        "--num-workers", "2")
+    assert "rollout_workers: one proc mesh for 2 on 1 host(s)" in proc.stderr
+    metrics = {step: m for step, m in read_metrics(tmp_path / "lost_worker").items()
+               if "loss/value" in m}
+    assert sorted(metrics) == list(range(num_steps))  # (the next step holds the final validation)
     for step, m in metrics.items():
         assert m["async/policy_age_max"] <= 1, step  # the staleness bound, with workers
         assert m["rollout/status/error_abort"] == 0, step  # every aborted request resumed
@@ -435,5 +444,6 @@ def test_partial_rollouts_in_workers_over_two_generators_stay_within_staleness(t
         # a step's metrics hold its own push's aborts, whose resumes a worker reports later.
         aborted_so_far = sum(metrics[s]["generator/num_aborted_at_pull"] for s in range(step + 1))
         assert 0 <= m["generator/num_resumed_requests"] <= aborted_so_far, (step, m)
-    assert metrics[2]["router/generator_0/num_routed"] > 0
-    assert metrics[2]["router/generator_1/num_routed"] > 0
+    last = metrics[num_steps - 1]
+    assert last["router/generator_0/num_routed"] > 0
+    assert last["router/generator_1/num_routed"] > 0
