@@ -33,8 +33,14 @@ def tiny_config(**overrides: Any) -> Generator.Config:
 
 
 def build_engine(config: Generator.Config) -> Any:
+    """An engine in this process. Engines dropped earlier are collected first: an in-process
+    engine's shutdown tears down vLLM's process-wide distributed state (EngineCore.shutdown), so
+    one collected later would break the engine built here."""
+    import gc
+
     from torchtitan_rl.generator.vllm_engine import build_engine as build
 
+    gc.collect()
     return build(config)
 
 

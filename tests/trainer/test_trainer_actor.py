@@ -37,8 +37,13 @@ async def push_weights(trainer, generators, version: int, *, verify: bool = Fals
 
 
 def _engine(model_dir: str):
+    import gc
+
     from vllm import EngineArgs, LLMEngine
 
+    # An engine dropped earlier in this process, collected later, would tear down vLLM's
+    # process-wide distributed state under this one (tests/generator/generator_testlib.py).
+    gc.collect()
     return LLMEngine.from_engine_args(EngineArgs(
         model=model_dir, dtype="float32", max_model_len=64, enforce_eager=True, seed=0,
         kv_cache_memory_bytes=32 * 2**20,
