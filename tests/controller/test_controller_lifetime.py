@@ -1,6 +1,8 @@
 """Nothing left behind (controller/lifetime.py): after any end of a run every process it started
 is gone within the documented bound, and an attach worker keeps serving. The fast tests check
-the mechanisms with sleeping stand-ins; the slow ones count a real run's processes."""
+the mechanisms with sleeping stand-ins; the slow ones count a real run's processes after SIGTERM
+and Ctrl-C (after a SIGKILL, an error or a success: on the fault tests' runs that end so, with
+lifetime_testlib.RunSessions)."""
 
 from __future__ import annotations
 
