@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import types
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, NoReturn
 
 import pytest
@@ -80,6 +80,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_dropped_vllm_engines() -> Iterator[None]:
+    """At the end of each test module: if this worker holds a torch process group, an in-process
+    vLLM engine made it, and one that was dropped but not yet collected would tear down that
+    group and vLLM's own (EngineCore.shutdown) whenever the garbage collector reaches it, in the
+    middle of a later test's collective or engine step. Collect it here instead."""
+    yield
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        import gc
+
+        gc.collect()
 
 
 # ---- the suite's time budget (docs/testing.md) ----
