@@ -37,7 +37,7 @@ def wait_gone(pids: dict[int, float], timeout_s: float = GONE_WITHIN_S) -> list[
     """Polls until none of ``pids`` runs or ``timeout_s`` passes; returns those still running."""
     deadline = time.monotonic() + timeout_s
     while (running := alive(pids)) and time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.2)  # poll interval: a process's end has no event this test can wait on
     return running
 
 
@@ -64,7 +64,7 @@ def wait_for(condition, what: str, timeout_s: float = 600.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, f"no {what} in {timeout_s} s"
-        time.sleep(0.5)
+        time.sleep(0.5)  # poll interval: files and process exits have no event to wait on here
 
 
 class RunSessions:

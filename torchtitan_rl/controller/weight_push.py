@@ -73,7 +73,7 @@ class PushTotals:
         if self.num_verified:
             metrics["weight_sync/relayed_generators_verified"] = float(self.num_verified)
         metrics["weight_sync/model_bytes"] = self.model_bytes
-        metrics["weight_sync/bytes"] = self.model_bytes  # one push's payload, as before the relay
+        metrics["weight_sync/bytes"] = self.model_bytes  # one push's payload, as a direct push logs it
         trainer_rank = self.busiest_trainer_rank + self.by_shared_memory_bytes
         metrics["weight_sync/busiest_trainer_rank_bytes"] = trainer_rank
         metrics["weight_sync/busiest_generator_bytes"] = self.busiest_generator
