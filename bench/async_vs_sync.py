@@ -58,13 +58,13 @@ import tempfile
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from torchtitan_rl.assets.model_source import ModelSource  # noqa: E402
 from torchtitan_rl.config.configurable import Configurable  # noqa: E402
-from torchtitan_rl.controller.checkpointer import Checkpointer  # noqa: E402
+from torchtitan_rl.controller.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from torchtitan_rl.controller.job import RLJob  # noqa: E402
-from torchtitan_rl.controller.loop import TrainingLoop  # noqa: E402
-from torchtitan_rl.controller.model_source import ModelSource  # noqa: E402
-from torchtitan_rl.controller.staleness import StalenessGate  # noqa: E402
-from torchtitan_rl.controller.validation import Validator  # noqa: E402
+from torchtitan_rl.controller.loop.loop import TrainingLoop  # noqa: E402
+from torchtitan_rl.controller.loop.staleness import StalenessGate  # noqa: E402
+from torchtitan_rl.controller.loop.validation import Validator  # noqa: E402
 from torchtitan_rl.generator.config import WeightSyncPolicy  # noqa: E402
 from torchtitan_rl.generator.generator import Generator  # noqa: E402
 from torchtitan_rl.rollout.message_env import EnvStep, Message, MessageEnv  # noqa: E402

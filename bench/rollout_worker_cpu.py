@@ -1,6 +1,6 @@
 """What one Monarch message carrying a rollout group costs the controller: the call and the
 unpickling of its reply (the RolloutGroup, shipped whole, and its packed samples). The worker pool
-sends many groups a message each way (controller/worker_pool.py); this is the unit it amortises.
+sends many groups a message each way (controller/rollout_workers/pool.py); this is the unit it amortises.
 
     python bench/rollout_worker_cpu.py [--groups 64] [--concurrency 16] [--turns 2]
 
@@ -20,7 +20,7 @@ import time
 
 from monarch.actor import Actor, endpoint, this_host
 
-from torchtitan_rl.controller.rollout_worker import GroupOutcome
+from torchtitan_rl.controller.rollout_workers.worker import GroupOutcome
 from torchtitan_rl.rollout import rollout_group_to_training_samples
 from torchtitan_rl.rollout.types import Rollout, RolloutGroup, RolloutStatus, RolloutTurn
 

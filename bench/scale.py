@@ -87,13 +87,13 @@ class CaseResult:
 
 # ---- the child: one job, this process its controller ----------------------------------------
 def job_config(args: argparse.Namespace, n: int, run_dir: pathlib.Path):
-    from torchtitan_rl.controller.checkpointer import Checkpointer
+    from torchtitan_rl.assets.model_source import ModelSource
+    from torchtitan_rl.controller.checkpoint.checkpointer import Checkpointer
+    from torchtitan_rl.controller.hosts.placement import Placement
     from torchtitan_rl.controller.job import RLJob
-    from torchtitan_rl.controller.loop import TrainingLoop
-    from torchtitan_rl.controller.model_source import ModelSource
-    from torchtitan_rl.controller.placement import Placement
-    from torchtitan_rl.controller.staleness import StalenessGate
-    from torchtitan_rl.controller.validation import Validator
+    from torchtitan_rl.controller.loop.loop import TrainingLoop
+    from torchtitan_rl.controller.loop.staleness import StalenessGate
+    from torchtitan_rl.controller.loop.validation import Validator
     from torchtitan_rl.examples.running_sum import RunningSumTask
     from torchtitan_rl.generator.generator import Generator
     from torchtitan_rl.metrics.logger import MetricsLogger

@@ -1,7 +1,7 @@
 """The controller's idle CPU that Monarch's supervision costs, three layouts of K procs, idle:
 ``meshes``, K proc meshes of one proc each (a replacement generator's, or generators with TP > 1:
 a mesh each); ``shared``, one proc mesh of K procs with an actor mesh on each proc (the
-generators' layout, controller/shared_procs.py: one generator is stopped or lost alone);
+generators' layout, controller/hosts/shared_procs.py: one generator is stopped or lost alone);
 ``one_mesh``, one proc mesh and one actor mesh over all K.
 
     python bench/supervision_cpu.py [--meshes 1,4,16] [--poll 1s] [--idle-s 10]

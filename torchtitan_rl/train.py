@@ -27,9 +27,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torchtitan_rl.config.errors import ConfigError
-from torchtitan_rl.controller.lifetime import RunStopped, set_monarch_defaults
+from torchtitan_rl.controller.hosts.reaper import RunStopped, set_monarch_defaults
 
-set_monarch_defaults()  # a dead controller's procs end in seconds, not minutes (lifetime.py)
+set_monarch_defaults()  # a dead controller's procs end in seconds, not minutes (controller/hosts/reaper.py)
 
 if TYPE_CHECKING:
     from torchtitan_rl.controller.job import RLJob
@@ -102,7 +102,7 @@ def cli(argv: list[str] | None = None) -> None:
 def guarded(run: Callable[[], int]) -> int:
     """``run()``'s exit code; an unexpected exception is one ``error:`` line on the console (its
     traceback goes to the log file) and exit code 1, Ctrl-C exit code 130, SIGTERM 143 (the
-    run's processes closed first: controller/lifetime.py)."""
+    run's processes closed first: controller/hosts/reaper.py)."""
     from torchtitan_rl.console import LOG_FILE_ENV, console_err, error_line
 
     try:

@@ -28,8 +28,8 @@ import os
 import sys
 
 # A gone client's procs are stopped within a minute, not > 5 min; the worker keeps serving
-# (controller/lifetime.py; an attaching client pushes its own value too).
-from torchtitan_rl.controller.lifetime import set_monarch_defaults  # noqa: E402 (stdlib only)
+# (controller/hosts/reaper.py; an attaching client pushes its own value too).
+from torchtitan_rl.controller.hosts.reaper import set_monarch_defaults  # noqa: E402 (stdlib only)
 
 set_monarch_defaults()
 
@@ -76,8 +76,8 @@ def cli(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from monarch.actor import run_worker_loop_forever
 
-    from torchtitan_rl.controller import attach_tls
-    from torchtitan_rl.controller.placement import TRUST_ALL
+    from torchtitan_rl.controller.hosts import attach_tls
+    from torchtitan_rl.controller.hosts.placement import TRUST_ALL
 
     if args.tls_dir:
         logger.info("serving at %s with mutual TLS (certificates in %s; pid %d)", args.address,

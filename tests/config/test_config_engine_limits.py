@@ -15,9 +15,9 @@ import pytest
 
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.config.manager import parse_args
-from torchtitan_rl.controller.engine_limits import check_engine_values, kv_cache_bytes_needed
 from torchtitan_rl.controller.job import RLJob
 from torchtitan_rl.controller.resolved_job import ResolvedJob
+from torchtitan_rl.generator.engine_limits import check_engine_values, kv_cache_bytes_needed
 
 TASK = ["--task.type", "torchtitan_rl.examples.alphabet_sort:AlphabetSortTask"]
 
@@ -118,7 +118,7 @@ def test_the_cpu_block_size_rule_is_vllms():
     from vllm.v1.attention.backend import MultipleOf
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    from torchtitan_rl.controller.engine_limits import CPU_BLOCK_MULTIPLE
+    from torchtitan_rl.generator.engine_limits import CPU_BLOCK_MULTIPLE
 
     assert CPUAttentionBackend.get_supported_kernel_block_sizes() == [
         MultipleOf(CPU_BLOCK_MULTIPLE)]

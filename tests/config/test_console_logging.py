@@ -37,9 +37,9 @@ def restore_logging(monkeypatch):
 
 def _emit() -> None:
     logging.getLogger("torchtitan_rl.metrics.logger").info("step=0 loss/value=0.1")
-    logging.getLogger("torchtitan_rl.controller.loop").info(
+    logging.getLogger("torchtitan_rl.controller.loop.loop").info(
         "validation step=0 reward=0.5000 +- 0.0100 (8 rollouts)", extra=console.CONSOLE)
-    logging.getLogger("torchtitan_rl.controller.loop").warning("group 3 restarts")
+    logging.getLogger("torchtitan_rl.controller.loop.loop").warning("group 3 restarts")
     logging.getLogger("torchtitan_rl.train").error("traceback here", extra={"console": False})
     # An upstream library's warning (not vllm's logger here: once another test imported vllm,
     # vllm's own logging config stops its records from propagating to the root logger; in a

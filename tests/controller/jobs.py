@@ -10,12 +10,12 @@ import subprocess
 import sys
 
 from tests.controller.letter_task import LetterTask
-from torchtitan_rl.controller.checkpointer import Checkpointer
+from torchtitan_rl.assets.model_source import ModelSource
+from torchtitan_rl.controller.checkpoint.checkpointer import Checkpointer
 from torchtitan_rl.controller.job import RLJob
-from torchtitan_rl.controller.loop import TrainingLoop
-from torchtitan_rl.controller.model_source import ModelSource
-from torchtitan_rl.controller.staleness import StalenessGate
-from torchtitan_rl.controller.validation import Validator
+from torchtitan_rl.controller.loop.loop import TrainingLoop
+from torchtitan_rl.controller.loop.staleness import StalenessGate
+from torchtitan_rl.controller.loop.validation import Validator
 from torchtitan_rl.faults import ENV_VAR
 from torchtitan_rl.generator.generator import Generator
 from torchtitan_rl.rollout.recorder import RolloutRecorder

@@ -1,4 +1,4 @@
-"""Counting a real run's processes after it ends (controller/lifetime.py): the run's controller is
+"""Counting a real run's processes after it ends (controller/hosts/reaper.py): the run's controller is
 started in a session of its own, and every process in that session or in a session one of its
 descendants opened (a simulated host, the orphan reaper) must be gone within GONE_WITHIN_S of the
 end. Used by the lifetime tests and by the fault tests whose run ends the way a lifetime test

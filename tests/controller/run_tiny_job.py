@@ -18,7 +18,7 @@ import sys
 
 from tests.controller.jobs import on_stand_in_engines, tiny_job
 from tests.controller.letter_task import LetterTask
-from torchtitan_rl.controller.placement import Placement
+from torchtitan_rl.controller.hosts.placement import Placement
 from torchtitan_rl.train import run_and_report
 
 

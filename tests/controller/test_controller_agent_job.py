@@ -21,8 +21,8 @@ from tests.controller import letter_agent
 from tests.controller.jobs import read_metrics, tiny_job
 from tests.controller.letter_task import LetterTask
 from tests.controller.test_controller_multi_turn_job import STOP_TOKEN_IDS, _received_samples
-from torchtitan_rl.controller.checkpointer import Checkpointer
-from torchtitan_rl.controller.validation import VALIDATION_GROUP_OFFSET, Validator
+from torchtitan_rl.controller.checkpoint.checkpointer import Checkpointer
+from torchtitan_rl.controller.loop.validation import VALIDATION_GROUP_OFFSET, Validator
 from torchtitan_rl.generator.generator import Generator
 from torchtitan_rl.rollout.agent_task import AgentTask
 from torchtitan_rl.rollout.rollouter import Rollouter

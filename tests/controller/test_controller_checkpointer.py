@@ -11,7 +11,7 @@ import pathlib
 import pytest
 
 from torchtitan_rl.config.errors import ConfigError
-from torchtitan_rl.controller.checkpointer import (
+from torchtitan_rl.controller.checkpoint.checkpointer import (
     Checkpointer,
     ControllerState,
     latest_complete_checkpoint,

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from torchtitan_rl.controller.idle_ratios import BusyClock, IdleRatios
-from torchtitan_rl.controller.router import GeneratorRouter
+from torchtitan_rl.controller.loop.idle_ratios import IdleRatios
+from torchtitan_rl.generator.router import BusyClock, GeneratorRouter
 from torchtitan_rl.types import GenerateRequest
 
 

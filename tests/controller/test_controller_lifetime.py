@@ -1,4 +1,4 @@
-"""Nothing left behind (controller/lifetime.py): after any end of a run every process it started
+"""Nothing left behind (controller/hosts/reaper.py): after any end of a run every process it started
 is gone within the documented bound, and an attach worker keeps serving. The fast tests check
 the mechanisms with sleeping stand-ins; the slow ones count a real run's processes after SIGTERM
 and Ctrl-C (after a SIGKILL, an error or a success: on the fault tests' runs that end so, with
@@ -23,8 +23,8 @@ from tests.controller.lifetime_testlib import (
     wait_for,
     wait_gone,
 )
-from torchtitan_rl.controller import lifetime
-from torchtitan_rl.controller.lifetime import RUN_TOKEN_ENV, RunStopped, run_stoppable
+from torchtitan_rl.controller.hosts import reaper
+from torchtitan_rl.controller.hosts.reaper import RUN_TOKEN_ENV, RunStopped, run_stoppable
 
 SLEEPER_CODE = "import time; print('up', flush=True); time.sleep(600)"
 SLEEPER = [sys.executable, "-c", SLEEPER_CODE]
@@ -45,8 +45,8 @@ def test_reap_ends_marked_processes_only():
     marked = _start(SLEEPER, env={**os.environ, RUN_TOKEN_ENV: token}, start_new_session=True)
     other = _start(SLEEPER, start_new_session=True)
     try:
-        assert lifetime.marked_pids(token) == [marked.pid]
-        assert lifetime.reap(token) == 1
+        assert reaper.marked_pids(token) == [marked.pid]
+        assert reaper.reap(token) == 1
         assert marked.wait(timeout=10) == -signal.SIGTERM
         assert other.poll() is None
     finally:
@@ -74,8 +74,8 @@ def test_reap_removes_the_socket_folder_of_a_dead_controllers_process_job(tmp_pa
         [sys.executable, "-c", f'{SLEEPER_CODE}  # address="ipc://{f}/generators_0"'],
         env={**os.environ, RUN_TOKEN_ENV: token}, start_new_session=True) for f in folders]
     try:
-        assert lifetime.socket_dirs([w.pid for w in workers]) == set(folders)
-        assert lifetime.reap(token) == 2
+        assert reaper.socket_dirs([w.pid for w in workers]) == set(folders)
+        assert reaper.reap(token) == 2
         assert not folders[0].exists()
         assert sorted(p.name for p in folders[1].iterdir()) == ["generators_0", "notes.txt"]
     finally:
@@ -86,7 +86,7 @@ def test_reap_removes_the_socket_folder_of_a_dead_controllers_process_job(tmp_pa
 
 CONTROLLER = """
 import os, subprocess, sys, time
-from torchtitan_rl.controller.lifetime import OrphanReaper
+from torchtitan_rl.controller.hosts.reaper import OrphanReaper
 reaper = OrphanReaper()
 host = subprocess.Popen([sys.executable, "-c", sys.argv[1]],  # SLEEPER_CODE
                         env={**os.environ, **reaper.env}, start_new_session=True,
@@ -135,15 +135,15 @@ def test_sigterm_cancels_the_run_and_its_cleanup_runs():
 
 def test_a_cleanup_that_hangs_is_cut_at_the_deadline():
     script = ("import asyncio, os, signal\n"
-              "from torchtitan_rl.controller import lifetime\n"
-              "lifetime.STOP_DEADLINE_S = 1.0\n"
+              "from torchtitan_rl.controller.hosts import reaper\n"
+              "reaper.STOP_DEADLINE_S = 1.0\n"
               "async def run():\n"
               "    asyncio.get_running_loop().call_later(0.05, os.kill, os.getpid(), signal.SIGINT)\n"
               "    try:\n"
               "        await asyncio.sleep(60)\n"
               "    finally:\n"
               "        await asyncio.shield(asyncio.sleep(60))  # a close that never returns\n"
-              "lifetime.run_stoppable(run())\n")
+              "reaper.run_stoppable(run())\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=30)
     assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-2000:]
@@ -193,7 +193,7 @@ def test_every_process_of_a_run_is_gone_after_it_ends(tmp_path, placement, end):
                                             controller.poll() is not None
                                             and controller.communicate()[1][-3000:])
         controller.send_signal(signal.SIGTERM if end == "sigterm" else signal.SIGINT)
-        _, stderr = controller.communicate(timeout=lifetime.STOP_DEADLINE_S + 30)
+        _, stderr = controller.communicate(timeout=reaper.STOP_DEADLINE_S + 30)
         run.assert_all_gone()
     finally:
         run.close()

@@ -30,10 +30,10 @@ from tests.controller.jobs import (
     tiny_job,
 )
 from tests.controller.lifetime_testlib import RunSessions
-from torchtitan_rl.controller.data_cursor import DataCursor
 from torchtitan_rl.controller.job import RLJob
-from torchtitan_rl.controller.loop import TrainingLoop
-from torchtitan_rl.controller.router import GeneratorRouter
+from torchtitan_rl.controller.loop.data_cursor import DataCursor
+from torchtitan_rl.controller.loop.loop import TrainingLoop
+from torchtitan_rl.generator.router import GeneratorRouter
 from torchtitan_rl.train import main
 
 

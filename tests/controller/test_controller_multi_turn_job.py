@@ -20,8 +20,8 @@ import pytest
 
 from tests.controller.jobs import REPO_ROOT, read_metrics, tiny_job
 from tests.controller.multi_turn_letter_task import MultiTurnLetterTask, env_message
-from torchtitan_rl.controller.checkpointer import Checkpointer
-from torchtitan_rl.controller.validation import Validator
+from torchtitan_rl.controller.checkpoint.checkpointer import Checkpointer
+from torchtitan_rl.controller.loop.validation import Validator
 from torchtitan_rl.generator.generator import Generator
 from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.train import main

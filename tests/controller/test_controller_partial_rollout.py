@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn, resume_seed
+from torchtitan_rl.generator.partial_rollout import ResumingGenerateFn, resume_seed
 from torchtitan_rl.types import Completion, GenerateRequest, Sampling
 
 

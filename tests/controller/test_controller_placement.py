@@ -24,8 +24,8 @@ from tests.controller.jobs import (
 )
 from tests.controller.lifetime_testlib import RunSessions
 from torchtitan_rl.config.errors import ConfigError
-from torchtitan_rl.controller.cluster_jobs import SlurmPlacement, slurm_job_kwargs
-from torchtitan_rl.controller.placement import Placement
+from torchtitan_rl.controller.hosts.cluster_jobs import SlurmPlacement, slurm_job_kwargs
+from torchtitan_rl.controller.hosts.placement import Placement
 from torchtitan_rl.train import main
 
 
@@ -216,7 +216,7 @@ def test_slurm_settings_reach_monarch_slurm_job():
 
 OPEN_SIMULATED_HOSTS = """
 import asyncio
-from torchtitan_rl.controller.placement import Placement
+from torchtitan_rl.controller.hosts.placement import Placement
 async def main():
     hosts = await Placement(Placement.Config(kind="process", host_timeout_s=60)).open(2)
     await hosts.close()

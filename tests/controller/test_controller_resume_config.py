@@ -18,15 +18,15 @@ import pytest
 
 from tests.controller.letter_task import LetterTask
 from torchtitan_rl.config.errors import ConfigError
-from torchtitan_rl.controller.checkpointer import Checkpointer, ControllerState, step_dir
-from torchtitan_rl.controller.job import RLJob
-from torchtitan_rl.controller.resume_config import (
+from torchtitan_rl.controller.checkpoint.checkpointer import Checkpointer, ControllerState, step_dir
+from torchtitan_rl.controller.checkpoint.resume_config import (
     JOB_CONFIG_FILE,
     RESUME_MAY_CHANGE,
     config_changes,
     flat_config,
     may_change_on_resume,
 )
+from torchtitan_rl.controller.job import RLJob
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -33,11 +33,11 @@ from tests.controller.jobs import (
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.config.manager import parse_args
 from torchtitan_rl.controller.job import RLJob
-from torchtitan_rl.controller.rollout_worker import GroupAssignment, GroupOutcome
-from torchtitan_rl.controller.router import GeneratorRouter
-from torchtitan_rl.controller.worker_link import RolloutWorkerLostError
-from torchtitan_rl.controller.worker_pool import RolloutWorkerPool, WorkerAssigner
+from torchtitan_rl.controller.rollout_workers.link import RolloutWorkerLostError
+from torchtitan_rl.controller.rollout_workers.pool import RolloutWorkerPool, WorkerAssigner
+from torchtitan_rl.controller.rollout_workers.worker import GroupAssignment, GroupOutcome
 from torchtitan_rl.generator import GeneratorLostError
+from torchtitan_rl.generator.router import GeneratorRouter
 from torchtitan_rl.types import Sampling
 
 

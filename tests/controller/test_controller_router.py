@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from torchtitan_rl.controller.router import GeneratorRouter
+from torchtitan_rl.generator.router import GeneratorRouter
 from torchtitan_rl.types import Completion, GenerateRequest, Sampling
 
 

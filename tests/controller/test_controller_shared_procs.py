@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from torchtitan_rl.controller.placement import RunHosts
-from torchtitan_rl.controller.shared_procs import spawn_generator_procs, spawn_shared_procs
+from torchtitan_rl.controller.hosts.placement import RunHosts
+from torchtitan_rl.controller.hosts.shared_procs import spawn_generator_procs, spawn_shared_procs
 from torchtitan_rl.generator import Generator
 
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from torchtitan_rl.controller.data_cursor import DataCursor
-from torchtitan_rl.controller.staleness import StalenessGate
+from torchtitan_rl.controller.loop.data_cursor import DataCursor
+from torchtitan_rl.controller.loop.staleness import StalenessGate
 
 
 async def _simulate(max_staleness: int, groups_per_step: int, num_steps: int, seed: int):

@@ -13,7 +13,7 @@ import pytest
 
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.controller import supervision
-from torchtitan_rl.controller.placement import Placement
+from torchtitan_rl.controller.hosts.placement import Placement
 from torchtitan_rl.controller.supervision import (
     HEALTH_POLL_ENV,
     MeshFailureWatch,
@@ -104,7 +104,7 @@ def test_a_negative_health_poll_is_refused_naming_the_key():
 @pytest.mark.parametrize("seconds, warned", [(0.0, False), (1.0, True), (1.9, True), (2.0, False),
                                              (8.0, False)])
 def test_a_health_poll_under_two_seconds_is_warned_about(seconds, warned, caplog):
-    caplog.set_level(logging.WARNING, logger="torchtitan_rl.controller.placement")
+    caplog.set_level(logging.WARNING, logger="torchtitan_rl.controller.hosts.placement")
     Placement.Config(health_poll_s=seconds).check(num_generators=1, num_trainer_ranks=1)
     messages = [r.getMessage() for r in caplog.records]
     assert bool(messages) == warned, messages

@@ -30,8 +30,8 @@ from tests.controller.jobs import (
 )
 from torchtitan_rl import tls
 from torchtitan_rl.config.errors import ConfigError
-from torchtitan_rl.controller import attach_tls
-from torchtitan_rl.controller.placement import Placement
+from torchtitan_rl.controller.hosts import attach_tls
+from torchtitan_rl.controller.hosts.placement import Placement
 
 
 def _load(folder: pathlib.Path, name: str):

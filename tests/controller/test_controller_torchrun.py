@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tests.controller.jobs import REPO_ROOT, read_metrics
-from torchtitan_rl.controller.checkpointer import latest_complete_checkpoint
+from torchtitan_rl.controller.checkpoint.checkpointer import latest_complete_checkpoint
 
 pytestmark = pytest.mark.slow  # torchrun ranks running a job
 

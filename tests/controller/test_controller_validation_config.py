@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from torchtitan_rl.config.errors import ConfigError
-from torchtitan_rl.controller.validation import Validator
+from torchtitan_rl.controller.loop.validation import Validator
 
 
 def test_num_prompts_beyond_the_validation_split_is_one_error_naming_both_numbers() -> None:

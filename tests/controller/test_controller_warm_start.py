@@ -1,4 +1,4 @@
-"""The supervised warm start (controller/warm_start.py) on the tiny model: what it trains on,
+"""The supervised warm start (assets/warm_start.py) on the tiny model: what it trains on,
 how it batches, that it learns, and that its cache is reused."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from torchtitan_rl.controller.warm_start import (
+from torchtitan_rl.assets.warm_start import (
     LENGTH_GROUP_BATCHES,
     WarmStart,
     _tokenize_with_assistant_mask,
@@ -69,7 +69,7 @@ def test_warm_start_learns_and_its_cache_is_reused(tiny_model_dir, tmp_path, cap
                                       num_conversations=64, group_by_length=True,
                                       cache_dir=str(tmp_path)))
     out = warm.output_dir(tiny_model_dir, "alphabet", seed=0)
-    caplog.set_level(logging.INFO, logger="torchtitan_rl.controller.warm_start")
+    caplog.set_level(logging.INFO, logger="torchtitan_rl.assets.warm_start")
     assert warm.run(base_model_dir=tiny_model_dir, out=out, solved_conversation=_conversation,
                     seed=0) == out
     losses = [float(r.getMessage().split("loss=")[1].split()[0]) for r in caplog.records

@@ -17,9 +17,9 @@ import pytest
 
 from tests.rollout.rollout_testlib import CountingEnv, ScriptedGenerate, run
 from torchtitan_rl.assets.tokenizer import CHAT_TEMPLATE
+from torchtitan_rl.assets.warm_start import _tokenize_with_assistant_mask
 from torchtitan_rl.config.manager import parse_args
 from torchtitan_rl.controller.job import RLJob, _warm_start_fingerprint
-from torchtitan_rl.controller.warm_start import _tokenize_with_assistant_mask
 from torchtitan_rl.rollout import Rollouter
 from torchtitan_rl.rollout.token_env import chat_template_kwargs
 from torchtitan_rl.types import Sampling

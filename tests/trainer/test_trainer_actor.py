@@ -10,8 +10,8 @@ import pathlib
 import pytest
 from monarch.actor import this_host
 
+from torchtitan_rl.generator.client import spawn_generator
 from torchtitan_rl.generator.generator import Generator
-from torchtitan_rl.generator.launch import spawn_generator
 from torchtitan_rl.trainer.batcher import Batcher
 from torchtitan_rl.trainer.trainer import PolicyTrainer, rank0_value, spawn_policy_trainer
 from torchtitan_rl.types import GenerateRequest, Sampling, TrainingSample

@@ -1,6 +1,6 @@
 """The relayed weight push through real Monarch procs (vLLM, torchtitan, simulated hosts): its
 per-sender bytes do not grow with the generators, every generator reads back bit-exact, and a
-relay generator killed mid-push is survived (weight_sync/relay.py, controller/generator_pool.py).
+relay generator killed mid-push is survived (weight_sync/relay.py, controller/fleet/generator_pool.py).
 Each job runs in a process of its own (see tests/controller/run_tiny_job.py)."""
 
 from __future__ import annotations

@@ -39,32 +39,31 @@ import pathlib
 import time
 from typing import Any
 
+from torchtitan_rl.assets.model_source import ModelSource
+from torchtitan_rl.assets.warm_start import WarmStart
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.config.convert import to_data
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.config.run_name import check_run_name
 from torchtitan_rl.console import short_report
-from torchtitan_rl.controller.checkpointer import Checkpointer, ControllerState
-from torchtitan_rl.controller.lifetime import run_stoppable
-from torchtitan_rl.controller.loop import TrainingLoop
-from torchtitan_rl.controller.model_source import ModelSource
-from torchtitan_rl.controller.parts import RunParts
-from torchtitan_rl.controller.placement import Placement
+from torchtitan_rl.controller.checkpoint.checkpointer import Checkpointer, ControllerState
+from torchtitan_rl.controller.checkpoint.resume_config import flat_config
+from torchtitan_rl.controller.hosts.placement import Placement
+from torchtitan_rl.controller.hosts.reaper import run_stoppable
+from torchtitan_rl.controller.loop.loop import RunParts, TrainingLoop
+from torchtitan_rl.controller.loop.validation import Validator
 from torchtitan_rl.controller.resolved_job import ResolvedJob
-from torchtitan_rl.controller.resume_config import flat_config
-from torchtitan_rl.controller.router import GeneratorRouter
+from torchtitan_rl.controller.resume import continue_from
 from torchtitan_rl.controller.spawn import SpawnTrainer, build_parts
 from torchtitan_rl.controller.supervision import MeshFailureWatch, RunFailedError
 from torchtitan_rl.controller.trainer_restart import (
     SUPERVISION_REPORT_WAIT_S,
-    continue_from,
     lost_the_trainer,
     restart_trainer,
 )
-from torchtitan_rl.controller.validation import Validator
-from torchtitan_rl.controller.warm_start import WarmStart
 from torchtitan_rl.generator import Generator
-from torchtitan_rl.generator.launch import is_supervision_error
+from torchtitan_rl.generator.client import is_supervision_error
+from torchtitan_rl.generator.router import GeneratorRouter
 from torchtitan_rl.metrics.logger import MetricsLogger
 from torchtitan_rl.rollout.recorder import RolloutRecorder
 from torchtitan_rl.rollout.rollouter import Rollouter

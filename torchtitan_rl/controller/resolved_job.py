@@ -16,15 +16,15 @@ import json
 import pathlib
 from typing import ClassVar
 
+from torchtitan_rl.assets.warm_start import WarmStart
 from torchtitan_rl.config.errors import ConfigError
-from torchtitan_rl.controller.checkpointer import Checkpointer
-from torchtitan_rl.controller.engine_limits import check_engine_values
-from torchtitan_rl.controller.loop import TrainingLoop
-from torchtitan_rl.controller.placement import Placement
-from torchtitan_rl.controller.router import GeneratorRouter
-from torchtitan_rl.controller.validation import Validator
-from torchtitan_rl.controller.warm_start import WarmStart
+from torchtitan_rl.controller.checkpoint.checkpointer import Checkpointer
+from torchtitan_rl.controller.hosts.placement import Placement
+from torchtitan_rl.controller.loop.loop import TrainingLoop
+from torchtitan_rl.controller.loop.validation import Validator
 from torchtitan_rl.generator import Generator
+from torchtitan_rl.generator.engine_limits import check_engine_values
+from torchtitan_rl.generator.router import GeneratorRouter
 from torchtitan_rl.metrics.logger import MetricsLogger
 from torchtitan_rl.rollout.agent_task import AgentTask
 from torchtitan_rl.rollout.recorder import RolloutRecorder

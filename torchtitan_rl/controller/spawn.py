@@ -12,9 +12,9 @@
         generate_fn:       the pool's router (ResumingGenerateFn(router) with partial rollouts)
         rollout workers:   rollouter.num_workers > 0: RolloutWorkerPool.spawn on the generators'
                            hosts, each with its own router over the generators, mirrored from
-                           the pool's router (worker_pool.py)
+                           the pool's router (controller/rollout_workers/pool.py)
         task, tokenizer, cursor, rollouter, validator, metrics, recorder
-    -> RunParts (controller/parts.py)
+    -> RunParts (controller/loop/loop.py)
 
 Where the run's meshes are spawned (GeneratorPool spawns and replaces the generators).
 """
@@ -27,14 +27,14 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from torchtitan_rl.assets.tokenizer import load_tokenizer
-from torchtitan_rl.controller.checkpointer import Checkpointer
-from torchtitan_rl.controller.data_cursor import DataCursor
-from torchtitan_rl.controller.generator_pool import GeneratorPool
-from torchtitan_rl.controller.parts import RunParts
-from torchtitan_rl.controller.placement import RunHosts
+from torchtitan_rl.controller.checkpoint.checkpointer import Checkpointer
+from torchtitan_rl.controller.fleet.generator_pool import GeneratorPool
+from torchtitan_rl.controller.hosts.placement import RunHosts
+from torchtitan_rl.controller.loop.data_cursor import DataCursor
+from torchtitan_rl.controller.loop.loop import RunParts
 from torchtitan_rl.controller.resolved_job import ResolvedJob
-from torchtitan_rl.controller.rollout_worker import RolloutWorkerSpec
-from torchtitan_rl.controller.worker_pool import RolloutWorkerPool
+from torchtitan_rl.controller.rollout_workers.pool import RolloutWorkerPool
+from torchtitan_rl.controller.rollout_workers.worker import RolloutWorkerSpec
 from torchtitan_rl.trainer.batcher import Batcher
 from torchtitan_rl.trainer.trainer import MonarchTrainerClient, PolicyTrainer, TrainerClient
 

@@ -94,8 +94,8 @@ _COMPANION_MESHES = ("logger-", "spmdactor-")
 
 
 class ReplacesLost(Protocol):
-    """What the watch needs of a pool whose members it replaces (controller/generator_pool.py,
-    controller/worker_pool.py)."""
+    """What the watch needs of a pool whose members it replaces (controller/fleet/generator_pool.py,
+    controller/rollout_workers/pool.py)."""
 
     def index_of_mesh(self, mesh_name: str) -> int | None: ...
     def ignores(self, mesh_name: str) -> bool: ...

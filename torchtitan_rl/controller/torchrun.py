@@ -48,8 +48,8 @@ from typing import Any
 import torch.distributed as dist
 
 from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.controller.hosts.reaper import run_stoppable
 from torchtitan_rl.controller.job import RLJob
-from torchtitan_rl.controller.lifetime import run_stoppable
 from torchtitan_rl.controller.spawn import SpawnTrainer
 from torchtitan_rl.generator import GeneratorHandle
 from torchtitan_rl.trainer.batcher import Batcher

@@ -11,8 +11,8 @@
            aborts and goes back to its version, its weights pushed
       -> the job runs the loop again from that state (trainer.max_restarts bounds it)
 
-A resumed run (a rerun after the controller died) uses ``continue_from`` too, without the rewind:
-its generators are new.
+A resumed run (a rerun after the controller died) continues the same way (controller/resume.py),
+without the rewind: its generators are new.
 """
 
 from __future__ import annotations
@@ -23,13 +23,17 @@ import pathlib
 import time
 
 from torchtitan_rl.console import CONSOLE, short_report
-from torchtitan_rl.controller.checkpointer import ControllerState, latest_complete_checkpoint
-from torchtitan_rl.controller.generator_pool import SPAWN_TIMEOUT_S, STOP_TIMEOUT_S
-from torchtitan_rl.controller.parts import RunParts
+from torchtitan_rl.controller.checkpoint.checkpointer import (
+    ControllerState,
+    latest_complete_checkpoint,
+)
+from torchtitan_rl.controller.fleet.generator_pool import SPAWN_TIMEOUT_S, STOP_TIMEOUT_S
+from torchtitan_rl.controller.loop.loop import RunParts
 from torchtitan_rl.controller.resolved_job import ResolvedJob
+from torchtitan_rl.controller.resume import continue_from
 from torchtitan_rl.controller.spawn import spawn_trainer_procs
 from torchtitan_rl.controller.supervision import MeshFailureWatch, TrainerLostError
-from torchtitan_rl.generator.launch import is_supervision_error
+from torchtitan_rl.generator.client import is_supervision_error
 from torchtitan_rl.trainer.trainer import MonarchTrainerClient
 
 logger = logging.getLogger(__name__)
@@ -48,22 +52,6 @@ async def lost_the_trainer(watch: MeshFailureWatch, error: Exception) -> bool:
         return False
     await watch.wait_for_failure(timeout_s=SUPERVISION_REPORT_WAIT_S)
     return watch.trainer_lost is not None and not watch.failures
-
-
-async def continue_from(parts: RunParts, resume_dir: pathlib.Path | None,
-                        state: ControllerState, *, rewind: bool = False) -> None:
-    """The run goes on from checkpoint ``resume_dir`` (None: from its start, with the trainer's
-    first weights): the trainer restored, the generators given its weights (``rewind``: they
-    serve a newer version now, and go back first), its validation logged again."""
-    if resume_dir is not None:
-        await parts.checkpointer.restore(parts.trainer, resume_dir, state)
-    if rewind:
-        await parts.generators.rewind(state.step)
-    await parts.generators.push_weights(state.step)
-    for step, mean, stderr in state.validation_history:
-        if step == state.step:  # its log lines were dropped with the lost run's
-            parts.metrics.log(step, {"validation/reward_mean": mean,
-                                     "validation/reward_stderr": stderr})
 
 
 async def restart_trainer(plan: ResolvedJob, parts: RunParts, watch: MeshFailureWatch, *,

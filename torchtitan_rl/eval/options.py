@@ -1,6 +1,6 @@
 """Which config keys the eval command takes: those its parts read, nothing a job only trains with.
 
-Eval runs a job's validation (controller/validation.py) on one generator: it reads the episodes
+Eval runs a job's validation (controller/loop/validation.py) on one generator: it reads the episodes
 (``task.*``, the validation split), how many and how sampled (``validation.num_prompts``,
 ``samples_per_prompt``, ``temperature``), the rollout limits, the request sampling and the engine.
 Everything else of the job (trainer, loop, batcher, checkpoints, metrics, placement, weight sync,

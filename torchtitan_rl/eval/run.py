@@ -46,8 +46,8 @@ class RecordingRollouter:
 
 def eval_plan(config: Any, model_dir: pathlib.Path) -> Any:
     """The job's resolved plan with ``model_dir`` as the model and no warm start."""
+    from torchtitan_rl.assets.model_source import ModelSource
     from torchtitan_rl.controller.job import RLJob
-    from torchtitan_rl.controller.model_source import ModelSource
 
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"--model: {model_dir} is not an HF model directory (no config.json)")

@@ -16,7 +16,7 @@
     trainer rank 0 -read_hf_weights()-> every rank (verify a push bit for bit, TP 1)
     controller -abort(ids)-> rank 0;  -close()-> every rank;  then the procs are stopped
 
-Use it through `spawn_generator` / `GeneratorHandle` (launch.py), which call the endpoints with the
+Use it through `spawn_generator` / `GeneratorHandle` (generator/client.py), which call the endpoints with the
 right fan-out. Without Monarch (tests, benchmarks, a torchrun launch) `start_engine_loop(config)`
 (engine_start.py) builds the same `EngineLoop` in-process.
 

@@ -1,6 +1,6 @@
 """Rollouter: one episode spec -> a scored RolloutGroup of concurrent sibling rollouts.
 
-    controller (or a rollout worker, rollouter.num_workers > 0: controller/rollout_worker.py)
+    controller (or a rollout worker, rollouter.num_workers > 0: controller/rollout_workers/worker.py)
         --run_group_rollouts(generate_fn, episode, group_id, ...)--> Rollouter
     Rollouter: group_size x run_single_rollout, concurrently (one TaskGroup):
         make_env(episode) -> TokenEnv.reset()
@@ -100,7 +100,7 @@ class Rollouter(Configurable):
         """Base of the per-request seeds when the Sampling passed in has seed None."""
         num_workers: int = 0
         """Rollout worker processes that run the training groups (env steps, chat template,
-        tokenizing), placed on the generators' hosts (controller/rollout_worker.py). 0: the
+        tokenizing), placed on the generators' hosts (controller/rollout_workers/worker.py). 0: the
         controller runs every turn itself. Default 0: on a 2-core machine one worker made the
         main job's steps ~25 % slower (its process competes with the generator and the trainer
         for the cores) although it cut the controller's CPU per turn from ~1.5 ms to a few

@@ -15,35 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-
-class BusyClock:
-    """Accumulates the wall time during which at least one unit of work was open."""
-
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self._clock = clock
-        self._open = 0
-        self._busy_s = 0.0
-        self._since = 0.0
-
-    def enter(self) -> None:
-        if self._open == 0:
-            self._since = self._clock()
-        self._open += 1
-
-    def exit(self) -> None:
-        if self._open <= 0:
-            raise RuntimeError("BusyClock.exit() without a matching enter()")
-        self._open -= 1
-        if self._open == 0:
-            self._busy_s += self._clock() - self._since
-
-    @property
-    def num_open(self) -> int:
-        return self._open
-
-    def busy_seconds(self) -> float:
-        """Busy time so far, counting an interval still open up to now."""
-        return self._busy_s + (self._clock() - self._since if self._open else 0.0)
+from torchtitan_rl.generator.router import BusyClock
 
 
 class IdleRatios:

@@ -41,7 +41,7 @@ import torch
 
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.config.errors import ConfigError
-from torchtitan_rl.controller.resume_config import JOB_CONFIG_FILE, check_resume_config
+from torchtitan_rl.controller.checkpoint.resume_config import JOB_CONFIG_FILE, check_resume_config
 from torchtitan_rl.types import TrainingSample
 
 logger = logging.getLogger(__name__)

@@ -30,21 +30,38 @@ import json
 import logging
 import statistics
 import time
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Literal
 
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.console import CONSOLE
-from torchtitan_rl.controller.checkpointer import ControllerState, FinishedGroup
-from torchtitan_rl.controller.idle_ratios import IdleRatios
-from torchtitan_rl.controller.parts import RunParts
-from torchtitan_rl.controller.staleness import StalenessGate
+from torchtitan_rl.controller.checkpoint.checkpointer import (
+    Checkpointer,
+    ControllerState,
+    FinishedGroup,
+)
+from torchtitan_rl.controller.fleet.generator_pool import GeneratorPool
+from torchtitan_rl.controller.hosts.placement import RunHosts
+from torchtitan_rl.controller.loop.data_cursor import DataCursor
+from torchtitan_rl.controller.loop.idle_ratios import IdleRatios
+from torchtitan_rl.controller.loop.staleness import StalenessGate
+from torchtitan_rl.controller.loop.validation import Validator
+from torchtitan_rl.controller.rollout_workers.link import RolloutWorkerLostError
+from torchtitan_rl.controller.rollout_workers.pool import RolloutWorkerPool
 from torchtitan_rl.controller.supervision import RunFailedError
-from torchtitan_rl.controller.worker_link import RolloutWorkerLostError
 from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.generator import GeneratorLostError
+from torchtitan_rl.metrics.logger import MetricsLogger
 from torchtitan_rl.rollout import rollout_group_to_training_samples, rollout_metrics
+from torchtitan_rl.rollout.recorder import RolloutRecorder
+from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.rollout.types import RolloutGroup
-from torchtitan_rl.types import TrainingSample
+from torchtitan_rl.task import Task
+from torchtitan_rl.trainer.trainer import TrainerClient
+from torchtitan_rl.types import GenerateFn, Sampling, TrainingSample
+
+if TYPE_CHECKING:  # transformers is heavy to import; only its type is named here
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +71,53 @@ _MODE_REMOVED = ("the loop is one loop now: set loop.staleness.max_staleness = 0
 
 def _default_staleness() -> StalenessGate.Config:
     return StalenessGate.Config(max_staleness=0)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RunParts:
+    """What the loop works with, spawned and built by controller/spawn.py."""
+
+    task: Task
+    tokenizer: PreTrainedTokenizerBase
+    """The model's HF tokenizer (decoding rollouts for the recorder)."""
+    cursor: DataCursor
+    rollouter: Rollouter
+    group_size: int
+    sampling: Sampling
+    """Training rollouts' sampling (its seed is the base of every request seed)."""
+    generate_fn: GenerateFn
+    """The generators' router (generator/router.py), wrapped to resume aborted requests
+    (generator/partial_rollout.py) when loop.partial_rollout = "abort"."""
+    generators: GeneratorPool
+    trainer: TrainerClient
+    hosts: RunHosts
+    validator: Validator
+    checkpointer: Checkpointer
+    metrics: MetricsLogger
+    recorder: RolloutRecorder
+    workers: RolloutWorkerPool | None = None
+    """Rollout workers (rollouter.num_workers > 0); None: rollouts run in this process."""
+
+    async def close(self) -> None:
+        """Close the meshes (rollout workers first: they borrow the generators; then the
+        generators and the trainer together: the generators' close cancels a replacement in
+        progress, which pushes from the trainer, before it awaits anything; the hosts last) and
+        the metrics files; a failure to close one is logged, not raised."""
+        self.metrics.close()
+        await _logged_close(getattr(self.task, "aclose", None))  # a task's server (AgentTask's)
+        await _logged_close(self.workers.close if self.workers is not None else None)
+        await asyncio.gather(_logged_close(self.generators.close),
+                             _logged_close(self.trainer.close))
+        await _logged_close(self.hosts.close)
+
+
+async def _logged_close(close: Callable[[], Awaitable[None]] | None) -> None:
+    if close is None:
+        return
+    try:
+        await close()
+    except Exception as e:
+        logger.warning("shutdown: %r", e)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -6,7 +6,7 @@ generators, hand each admitted group to the least loaded one, mirror the router 
                 gets) -> RolloutWorker(spec, [GeneratorRef of every generator])
                 -> ready() (its pid; a worker that cannot build its parts fails the start)
                 -> router.add_mirror(pool): set_syncing / take_out / put_back reach every worker
-    run_group:  WorkerAssigner.acquire() -> WorkerLink.run_group (worker_link.py: the groups
+    run_group:  WorkerAssigner.acquire() -> WorkerLink.run_group (link.py: the groups
                 assigned to a worker in one event-loop turn leave in one message, come back in
                 batches on one reply port) -> GroupOutcome
                 (lost_reason set -> GeneratorLostError here, as the in-process path raises it;
@@ -31,17 +31,21 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from torchtitan_rl.controller.idle_ratios import BusyClock
-from torchtitan_rl.controller.placement import RunHosts
-from torchtitan_rl.controller.rollout_worker import (
+from torchtitan_rl.controller.hosts.placement import RunHosts
+from torchtitan_rl.controller.hosts.shared_procs import spawn_shared_procs
+from torchtitan_rl.controller.rollout_workers.link import (
+    MessageCounts,
+    WorkerLink,
+    open_monarch_channel,
+)
+from torchtitan_rl.controller.rollout_workers.worker import (
     GeneratorRef,
     GroupOutcome,
     RolloutWorker,
     RolloutWorkerSpec,
 )
-from torchtitan_rl.controller.shared_procs import spawn_shared_procs
-from torchtitan_rl.controller.worker_link import MessageCounts, WorkerLink, open_monarch_channel
 from torchtitan_rl.generator import GeneratorHandle, GeneratorLostError
+from torchtitan_rl.generator.router import BusyClock
 from torchtitan_rl.types import GenerateFn, Sampling
 
 logger = logging.getLogger(__name__)
@@ -256,7 +260,7 @@ class RolloutWorkerPool:
         async with self._workers_changed():
             self._workers_changed().notify_all()
 
-    # ---- RouterMirror (controller/router.py): the workers' routers follow the controller's ----
+    # ---- RouterMirror (generator/router.py): the workers' routers follow the controller's ----
     def set_syncing(self, indices: list[int], syncing: bool) -> None:
         for index in indices:
             (self._syncing.add if syncing else self._syncing.discard)(index)

@@ -27,7 +27,7 @@ from typing import Any
 
 from monarch.actor import ProcMesh
 
-from torchtitan_rl.controller.placement import RunHosts
+from torchtitan_rl.controller.hosts.placement import RunHosts
 from torchtitan_rl.generator import Generator
 
 logger = logging.getLogger(__name__)

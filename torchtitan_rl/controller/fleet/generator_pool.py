@@ -38,24 +38,24 @@ from monarch.actor import ActorError, ProcMesh
 
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.console import short_report
-from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
-from torchtitan_rl.controller.placement import RunHosts
-from torchtitan_rl.controller.router import GeneratorRouter
-from torchtitan_rl.controller.shared_procs import spawn_generator_procs
-from torchtitan_rl.controller.weight_push import (
+from torchtitan_rl.controller.fleet.relay_push import (
     RELAY_TIMEOUT_S,
     REPLACEMENT_ATTEMPT,
     PushTotals,
     relay_once,
     until_lost,
 )
+from torchtitan_rl.controller.hosts.placement import RunHosts
+from torchtitan_rl.controller.hosts.shared_procs import spawn_generator_procs
 from torchtitan_rl.generator import (
     Generator,
     GeneratorHandle,
     GeneratorLostError,
     spawn_generator,
 )
-from torchtitan_rl.generator.launch import is_supervision_error
+from torchtitan_rl.generator.client import is_supervision_error
+from torchtitan_rl.generator.partial_rollout import ResumingGenerateFn
+from torchtitan_rl.generator.router import GeneratorRouter
 from torchtitan_rl.trainer.trainer import TrainerClient
 from torchtitan_rl.types import GenerateFn
 from torchtitan_rl.weight_sync import WeightTransport

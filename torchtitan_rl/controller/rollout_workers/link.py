@@ -19,7 +19,7 @@ from typing import Any
 
 from monarch.actor import Channel
 
-from torchtitan_rl.controller.rollout_worker import GroupAssignment, GroupOutcome
+from torchtitan_rl.controller.rollout_workers.worker import GroupAssignment, GroupOutcome
 from torchtitan_rl.types import Sampling
 
 

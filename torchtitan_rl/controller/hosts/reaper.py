@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-logger = logging.getLogger("torchtitan_rl.controller.lifetime")  # also as __main__ (sidecar)
+logger = logging.getLogger("torchtitan_rl.controller.hosts.reaper")  # also as __main__ (sidecar)
 
 T = TypeVar("T")
 
@@ -72,7 +72,7 @@ class OrphanReaper:
         self.env = {RUN_TOKEN_ENV: self.token}
         """Give it to every process the sidecar must reap (ProcessJob(env=...))."""
         self._sidecar = subprocess.Popen(
-            [sys.executable, "-m", "torchtitan_rl.controller.lifetime", self.token],
+            [sys.executable, "-m", "torchtitan_rl.controller.hosts.reaper", self.token],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
             env={**os.environ, RUN_TOKEN_ENV: ""})  # never a token: it must not reap itself
 

@@ -14,13 +14,13 @@ the controller's CPU does per group what it used to do per turn.
         (a generator lost under it: GroupOutcome.lost_reason; the controller raises
         GeneratorLostError and restarts the group whole; the group's own error: .error)
     controller router -set_syncing / take_out / put_back(GeneratorRef)-> every worker's router
-        (RouterMirror, controller/router.py): pushes, losses and replacements route alike here
+        (RouterMirror, generator/router.py): pushes, losses and replacements route alike here
     controller -cancel_group(key)-> worker (the controller gave the group up: no outcome)
     controller -close()-> worker; then its proc is stopped
 
 Invariants: a worker never stops or closes a generator (it only borrows handles); every request
 seed comes from (seed, group, rollout, turn) as in the controller, so a group's tokens do not
-depend on which worker ran it. Validation stays in the controller (controller/validation.py).
+depend on which worker ran it. Validation stays in the controller (controller/loop/validation.py).
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from monarch.actor import Actor, Port, concurrent_endpoint
 
 from torchtitan_rl.assets.tokenizer import load_tokenizer
 from torchtitan_rl.console import configure_process_logging
-from torchtitan_rl.controller.partial_rollout import ResumingGenerateFn
-from torchtitan_rl.controller.router import GeneratorRouter
 from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.generator import Generator, GeneratorHandle, GeneratorLostError
+from torchtitan_rl.generator.partial_rollout import ResumingGenerateFn
+from torchtitan_rl.generator.router import GeneratorRouter
 from torchtitan_rl.rollout import rollout_group_to_training_samples
 from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.rollout.types import RolloutGroup

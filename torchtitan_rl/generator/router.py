@@ -16,7 +16,7 @@ lost generator is taken out (``take_out``) until its replacement is put back (``
 sessions are re-pinned, and with no generator left a request waits for one.
 
 Mirrors (``add_mirror``): rollout workers keep routers of their own over the same generators
-(controller/rollout_worker.py); every change to which generators serve (``set_syncing``,
+(controller/rollout_workers/worker.py); every change to which generators serve (``set_syncing``,
 ``take_out``, ``put_back``) is told to each mirror as it happens, so they route alike.
 """
 
@@ -27,14 +27,44 @@ import collections
 import dataclasses
 import itertools
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
 from torchtitan_rl.config.configurable import Configurable
-from torchtitan_rl.controller.idle_ratios import BusyClock
 from torchtitan_rl.types import Completion, GenerateFn, GenerateRequest
 
 logger = logging.getLogger(__name__)
+
+
+class BusyClock:
+    """Accumulates the wall time during which at least one unit of work was open."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._open = 0
+        self._busy_s = 0.0
+        self._since = 0.0
+
+    def enter(self) -> None:
+        if self._open == 0:
+            self._since = self._clock()
+        self._open += 1
+
+    def exit(self) -> None:
+        if self._open <= 0:
+            raise RuntimeError("BusyClock.exit() without a matching enter()")
+        self._open -= 1
+        if self._open == 0:
+            self._busy_s += self._clock() - self._since
+
+    @property
+    def num_open(self) -> int:
+        return self._open
+
+    def busy_seconds(self) -> float:
+        """Busy time so far, counting an interval still open up to now."""
+        return self._busy_s + (self._clock() - self._since if self._open else 0.0)
 
 
 class RouterMirror(Protocol):

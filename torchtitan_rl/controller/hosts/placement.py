@@ -33,14 +33,14 @@ from typing import Any, Literal
 
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.config.errors import ConfigError
-from torchtitan_rl.controller import attach_tls
-from torchtitan_rl.controller.cluster_jobs import (
+from torchtitan_rl.controller.hosts import attach_tls
+from torchtitan_rl.controller.hosts.cluster_jobs import (
     KubernetesPlacement,
     SlurmPlacement,
     kubernetes_job,
     slurm_job_kwargs,
 )
-from torchtitan_rl.controller.lifetime import OrphanReaper
+from torchtitan_rl.controller.hosts.reaper import OrphanReaper
 from torchtitan_rl.controller.supervision import (
     MIN_PROMPT_HEALTH_POLL_S,
     apply_health_poll,
@@ -203,7 +203,7 @@ class RunHosts:
     separate_machines: bool = False
     """Each host is its own machine by construction (simulated hosts): never shared memory."""
     reaper: OrphanReaper | None = None
-    """Ends the job's processes if this controller ends without close (controller/lifetime.py)."""
+    """Ends the job's processes if this controller ends without close (controller/hosts/reaper.py)."""
 
     def generator_host_index(self, index: int) -> int:
         """The host generator ``index`` runs on, in ``generators`` (0: local placement)."""

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from torchtitan_rl.generator import GeneratorHandle, GeneratorLostError
-from torchtitan_rl.generator.launch import is_supervision_error
+from torchtitan_rl.generator.client import is_supervision_error
 from torchtitan_rl.trainer.trainer import TrainerClient
 
 logger = logging.getLogger(__name__)
