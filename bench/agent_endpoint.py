@@ -6,7 +6,7 @@ Both sides play the same AlphabetSort episodes (3 turns each) with the same Roll
 same scripted GenerateFn (each call answers the turn's correct list after ``--latency-ms``, the
 stand-in for a generator's time per call, 0 measures the endpoint's overhead alone):
   in_process: AlphabetSortTask.make_env -> TokenEnv (the Rollouter's own loop, no HTTP);
-  endpoint:   AgentTask with torchtitan_rl/examples/alphabet_sort/agent.py: the `openai` client
+  endpoint:   AgentTask with examples/alphabet_sort/agent.py: the `openai` client
               the run gives it, over HTTP on 127.0.0.1 to the run's endpoint, which renders,
               captures and generates (the agent's client work runs in the same process, as in a
               job, so it counts);
@@ -46,18 +46,18 @@ from typing import Any
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from examples.alphabet_sort import AlphabetSortTask  # noqa: E402
 from torchtitan_rl.assets.make_model import ensure_model  # noqa: E402
-from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask  # noqa: E402
 from torchtitan_rl.rollout.agent_task import AgentTask  # noqa: E402
 from torchtitan_rl.rollout.rollouter import Rollouter  # noqa: E402
 from torchtitan_rl.types import Completion, GenerateRequest, Sampling  # noqa: E402
 
 
 async def own_client_agent(episode: Any, client: Any) -> Any:
-    """torchtitan_rl/examples/alphabet_sort/agent.py with a client of its own per episode."""
+    """examples/alphabet_sort/agent.py with a client of its own per episode."""
     from openai import AsyncOpenAI
 
-    from torchtitan_rl.examples.alphabet_sort.agent import run
+    from examples.alphabet_sort.agent import run
 
     async with AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key) as own:
         return await run(episode, own)
@@ -183,7 +183,7 @@ def main() -> None:
     episodes_config = AlphabetSortTask.Config(min_turns=3, max_turns=3, max_names_per_turn=2)
     episodes = [episodes_config.build().dataset("train")[i] for i in range(args.groups)]
     generate = OracleGenerate(tokenizer, episodes, args.latency_ms / 1000)
-    agent_task = AgentTask.Config(agent="torchtitan_rl.examples.alphabet_sort.agent:run",
+    agent_task = AgentTask.Config(agent="examples.alphabet_sort.agent:run",
                                   episodes=episodes_config).build()
     own_task = AgentTask.Config(agent="bench.agent_endpoint:own_client_agent",
                                 episodes=episodes_config).build()

@@ -87,6 +87,7 @@ class CaseResult:
 
 # ---- the child: one job, this process its controller ----------------------------------------
 def job_config(args: argparse.Namespace, n: int, run_dir: pathlib.Path):
+    from examples.running_sum import RunningSumTask
     from torchtitan_rl.assets.model_source import ModelSource
     from torchtitan_rl.controller.checkpoint.checkpointer import Checkpointer
     from torchtitan_rl.controller.hosts.placement import Placement
@@ -94,7 +95,6 @@ def job_config(args: argparse.Namespace, n: int, run_dir: pathlib.Path):
     from torchtitan_rl.controller.loop.loop import TrainingLoop
     from torchtitan_rl.controller.loop.staleness import StalenessGate
     from torchtitan_rl.controller.loop.validation import Validator
-    from torchtitan_rl.examples.running_sum import RunningSumTask
     from torchtitan_rl.generator.generator import Generator
     from torchtitan_rl.metrics.logger import MetricsLogger
     from torchtitan_rl.rollout.recorder import RolloutRecorder

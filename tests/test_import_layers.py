@@ -31,7 +31,6 @@ LAYERS: list[list[str]] = [
     ["controller.checkpoint", "controller.hosts"],
     ["controller.supervision"],
     # the actors' code and what they run
-    ["examples"],
     ["trainer"],
     ["generator", "rollout"],
     ["weight_sync", "metrics", "assets"],
@@ -65,10 +64,18 @@ def modules() -> dict[str, pathlib.Path]:
     return found
 
 
-def imports(path: pathlib.Path, known: dict[str, pathlib.Path]) -> Iterator[tuple[int, str]]:
+def imports(path: pathlib.Path, known: dict[str, pathlib.Path], *,
+            runtime_only: bool = False) -> Iterator[tuple[int, str]]:
     """(line, module) for every project module ``path`` imports (a ``from package import
-    module`` names the module)."""
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    module`` names the module); ``runtime_only``: not those under ``if TYPE_CHECKING``."""
+    tree = ast.parse(path.read_text(), str(path))
+    type_only: set[ast.AST] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            type_only.update(n for child in node.body for n in ast.walk(child))
+    for node in ast.walk(tree):
+        if runtime_only and node in type_only:
+            continue
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("torchtitan_rl."):
@@ -97,10 +104,22 @@ def upward_arrows() -> list[str]:
 
 
 def import_circles() -> list[list[str]]:
-    """The module graph's strongly connected components of more than one module (Tarjan)."""
+    """The runtime import graph's strongly connected components of more than one module
+    (Tarjan). Importing ``a.b.c`` runs the packages ``a`` and ``a.b`` first: an import is an
+    arrow to each package above its target that is not above the importer too."""
     known = modules()
-    graph = {name: sorted({t for _, t in imports(path, known) if t in known and t != name})
-             for name, path in known.items()}
+
+    def targets(name: str, path: pathlib.Path) -> set[str]:
+        found = set()
+        for _, target in imports(path, known, runtime_only=True):
+            parts = target.split(".")
+            for n in range(1, len(parts) + 1):
+                above = ".".join(parts[:n])
+                if above in known and not (name == above or name.startswith(f"{above}.")):
+                    found.add(above)
+        return found
+
+    graph = {name: sorted(targets(name, path)) for name, path in known.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []

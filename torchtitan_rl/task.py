@@ -1,7 +1,7 @@
 """What a task is: the episodes to train and validate on, and the environment that plays one.
 
     [task]                                        # the job config names the task class
-    type = "torchtitan_rl.examples.alphabet_sort:AlphabetSortTask"
+    type = "examples.alphabet_sort:AlphabetSortTask"
     max_turns = 2                                 # and its own typed settings
 
     task = job.task.build()                       # a Configurable whose Config subclasses TaskConfig
@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from torchtitan_rl.config.configurable import Configurable
-from torchtitan_rl.rollout.message_env import Message, MessageEnv
+
+if TYPE_CHECKING:  # annotations only: the rollout package imports this module
+    from torchtitan_rl.rollout.message_env import Message, MessageEnv
 
 Split = Literal["train", "validation"]
 

@@ -225,7 +225,7 @@ def test_print_resolved_shows_what_each_part_gets(capsys, monkeypatch):
     assert generator["model_dir"] == "assets/models/demo" and generator["seed"] == 7
     assert resolved["trainer"]["seed"] == resolved["rollouter"]["seed"] == 7
     assert resolved["sampling"]["seed"] == 7
-    assert resolved["task"]["type"] == "torchtitan_rl.examples.alphabet_sort.task:AlphabetSortTask"
+    assert resolved["task"]["type"] == "examples.alphabet_sort.task:AlphabetSortTask"
     # and --print-config still prints what the user wrote: no derived values
     written = tomli.loads(_call_cli(capsys, monkeypatch, "--config",
                                     "run_configs/alphabet_sort_cpu.toml", "--print-config").stdout)

@@ -19,7 +19,7 @@ from torchtitan_rl.controller.job import RLJob
 from torchtitan_rl.controller.resolved_job import ResolvedJob
 from torchtitan_rl.generator.engine_limits import check_engine_values, kv_cache_bytes_needed
 
-TASK = ["--task.type", "torchtitan_rl.examples.alphabet_sort:AlphabetSortTask"]
+TASK = ["--task.type", "examples.alphabet_sort:AlphabetSortTask"]
 
 
 def _plan(*argv: str) -> ResolvedJob:

@@ -17,7 +17,7 @@ from torchtitan_rl.config.manager import GLOBAL_OPTIONS
 from torchtitan_rl.config.source_schema import SourceSchemaError
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-TASKS = [None, "torchtitan_rl.examples.alphabet_sort:AlphabetSortTask", "tests.controller.letter_task:LetterTask"]
+TASKS = [None, "examples.alphabet_sort:AlphabetSortTask", "tests.controller.letter_task:LetterTask"]
 
 
 @pytest.mark.parametrize("task_type", TASKS)
@@ -130,13 +130,13 @@ def test_what_the_source_reader_cannot_evaluate_falls_back_to_imports(tmp_path, 
 
 
 def _task_types() -> list[str]:
-    """Every task class of the package (`package.module:Class` whose nested Config subclasses
-    TaskConfig), found in source: the polymorphic `task` reaches each of them."""
+    """Every task class of the package and of examples/ (`package.module:Class` whose nested
+    Config subclasses TaskConfig), found in source: the polymorphic `task` reaches each of them."""
     import ast
 
     found = []
-    package = REPO_ROOT / "torchtitan_rl"
-    for path in sorted(package.rglob("*.py")):
+    paths = [*(REPO_ROOT / "torchtitan_rl").rglob("*.py"), *(REPO_ROOT / "examples").rglob("*.py")]
+    for path in sorted(paths):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.ClassDef) and any(
                     isinstance(inner, ast.ClassDef) and inner.name == "Config" and any(
@@ -168,7 +168,7 @@ def test_every_option_is_explained(task_type):
 
 
 def test_the_task_types_are_found():
-    assert "torchtitan_rl.examples.alphabet_sort.task:AlphabetSortTask" in _task_types()
+    assert "examples.alphabet_sort.task:AlphabetSortTask" in _task_types()
 
 
 def _help(*argv: str) -> str:

@@ -63,7 +63,7 @@ def test_none_over_a_value_default_round_trips_through_print_config():
     assert config_from_toml_text(RLJob.Config, text) == config
     # written by hand in a TOML, too
     loaded = config_from_toml_text(RLJob.Config, '[trainer]\nmax_grad_norm = "none"\n'
-                                                 '[task]\ntype = "torchtitan_rl.examples.'
+                                                 '[task]\ntype = "examples.'
                                                  'alphabet_sort:AlphabetSortTask"\n'
                                                  'system_prompt = "none"\n')
     assert loaded.trainer.max_grad_norm is None

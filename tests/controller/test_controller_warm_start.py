@@ -8,12 +8,12 @@ import random
 
 import pytest
 
+from examples.alphabet_sort import AlphabetSortTask
 from torchtitan_rl.assets.warm_start import (
     LENGTH_GROUP_BATCHES,
     WarmStart,
     _tokenize_with_assistant_mask,
 )
-from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask
 
 TASK = AlphabetSortTask.Config(min_turns=1, max_turns=3, min_names_per_turn=1,
                                max_names_per_turn=3).build()

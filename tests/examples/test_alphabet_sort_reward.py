@@ -6,7 +6,7 @@ import difflib
 
 import pytest
 
-from torchtitan_rl.examples.alphabet_sort.reward import alphabet_sort_reward, turn_score
+from examples.alphabet_sort.reward import alphabet_sort_reward, turn_score
 
 GT1 = ["AnaBo", "MarcChardin", "ZoeAdams"]
 GT2 = ["AnaBo", "BenDu // new name!", "MarcChardin", "ZoeAdams"]

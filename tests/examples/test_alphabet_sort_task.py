@@ -6,11 +6,11 @@ import pickle
 
 import pytest
 
+from examples.alphabet_sort import AlphabetSortTask
+from examples.alphabet_sort.episode import sort_key
+from examples.alphabet_sort.reward import NEW_NAME_MARK
 from tests.rollout.rollout_testlib import run
 from torchtitan_rl.assets.names import NameBank
-from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask
-from torchtitan_rl.examples.alphabet_sort.episode import sort_key
-from torchtitan_rl.examples.alphabet_sort.reward import NEW_NAME_MARK
 
 
 def test_alphabet_episodes_are_deterministic_by_seed_and_index() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOC = REPO_ROOT / "docs" / "tasks.md"
-EXAMPLE = REPO_ROOT / "torchtitan_rl" / "examples" / "running_sum"
+EXAMPLE = REPO_ROOT / "examples" / "running_sum"
 SHOWN_IN_FULL = sorted([p.relative_to(REPO_ROOT).as_posix() for p in EXAMPLE.glob("*.py")]
                        + ["run_configs/running_sum.toml"])
 

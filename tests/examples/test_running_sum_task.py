@@ -1,4 +1,4 @@
-"""RunningSum (torchtitan_rl/examples/running_sum/, the task docs/tasks.md builds): episodes fixed
+"""RunningSum (examples/running_sum/, the task docs/tasks.md builds): episodes fixed
 by (seed, split, index) with disjoint splits, the env's per-turn rewards, the warm start's solved
 conversations scoring 1, and a whole group rolled out through Rollouter + TokenEnv in tokens."""
 
@@ -11,15 +11,15 @@ from typing import Any
 
 import pytest
 
-from torchtitan_rl.config.manager import parse_args
-from torchtitan_rl.controller.job import RLJob
-from torchtitan_rl.examples.running_sum import (
+from examples.running_sum import (
     RunningSumEnv,
     RunningSumEpisode,
     RunningSumTask,
     closeness,
     first_integer,
 )
+from torchtitan_rl.config.manager import parse_args
+from torchtitan_rl.controller.job import RLJob
 from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.task import SupervisedTask
 from torchtitan_rl.types import Completion, GenerateRequest, Sampling

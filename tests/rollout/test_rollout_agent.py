@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
+from examples.alphabet_sort import AlphabetSortTask
 from tests.controller.letter_task import LetterTask
 from tests.rollout.rollout_testlib import ScriptedGenerate, run, tiny_tokenizer
 from torchtitan_rl.config.errors import ConfigError
-from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask
 from torchtitan_rl.rollout import (
     Rollouter,
     RolloutStatus,
@@ -178,7 +178,7 @@ def test_alphabet_sort_agent_plays_the_message_env_episode_token_for_token() -> 
         lines = list(episode.ground_truths[t]) if r % 2 == 0 else ["Nobody"]
         return f"<{tag}>\n" + "\n".join(lines) + f"\n</{tag}>"
 
-    agent_task = AgentTask.Config(agent="torchtitan_rl.examples.alphabet_sort.agent:run",
+    agent_task = AgentTask.Config(agent="examples.alphabet_sort.agent:run",
                                   episodes=episodes).build()
     groups = []
     for make_env in (episodes.build().make_env, agent_task.make_env):
@@ -348,7 +348,7 @@ def test_the_agents_guide_shows_the_agent_as_it_is() -> None:
 
     root = pathlib.Path(__file__).resolve().parents[2]
     doc = (root / "docs" / "agents.md").read_text()
-    path = "torchtitan_rl/examples/alphabet_sort/agent.py"
+    path = "examples/alphabet_sort/agent.py"
     [block] = re.findall(rf"`{re.escape(path)}`\n```python\n(.*?)```", doc, re.S)
     assert block == (root / path).read_text()
     assert "docs/agents.md" in (root / "README.md").read_text()

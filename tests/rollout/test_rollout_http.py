@@ -31,8 +31,8 @@ from typing import Any
 
 import pytest
 
+from examples.alphabet_sort import AlphabetSortTask
 from tests.rollout.rollout_testlib import REPO_ROOT, CountingEnv, run, tiny_tokenizer
-from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask
 from torchtitan_rl.rollout import HttpGenerateFn, Rollouter, RolloutGroup, RolloutStatus
 from torchtitan_rl.types import GenerateRequest, Sampling
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from examples.alphabet_sort import AlphabetSortTask
 from tests.rollout.rollout_testlib import CountingEnv, ScriptedGenerate, run, tiny_tokenizer
-from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask
 from torchtitan_rl.rollout import (
     Rollouter,
     RolloutRecorder,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from examples.alphabet_sort import AlphabetSortTask
 from tests.rollout.rollout_testlib import CountingEnv, ScriptedGenerate, run, tiny_tokenizer
-from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask
 from torchtitan_rl.rollout import Rollouter, RolloutStatus, rollout_group_to_training_samples
 from torchtitan_rl.types import Sampling
 
@@ -71,7 +71,7 @@ def test_alphabet_sort_turn_rewards_are_the_turn_scores() -> None:
     task = AlphabetSortTask.Config(min_turns=2, max_turns=2).build()
     episode = task.dataset("train")[0]
     env = task.make_env(episode)
-    from torchtitan_rl.examples.alphabet_sort.solutions import solved_reply
+    from examples.alphabet_sort.solutions import solved_reply
 
     replies = [solved_reply(episode, 0), "no answer"]
     parts = [{"turn_score": 1.0}, {"turn_score": 0.0}]

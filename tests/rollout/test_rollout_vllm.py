@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from examples.alphabet_sort import AlphabetSortTask
 from tests.rollout.rollout_testlib import REPO_ROOT, run, tiny_tokenizer
-from torchtitan_rl.examples.alphabet_sort import AlphabetSortTask
 from torchtitan_rl.rollout import (
     Rollouter,
     RolloutGroup,

@@ -10,7 +10,7 @@ true (e.g. the job's ``task``) holds any subclass of it. Its table names the con
 ``type`` key, an import path ``package.module:Class`` of a `Configurable` (or of its Config):
 
     [task]
-    type = "torchtitan_rl.examples.alphabet_sort:AlphabetSortTask"
+    type = "examples.alphabet_sort:AlphabetSortTask"
     max_turns = 2
 """
 
@@ -92,11 +92,25 @@ def type_path_of(config: Any) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+MOVED_MODULES = {"torchtitan_rl.examples": "examples"}
+"""Old module -> where its classes live now: import paths written into saved configs and
+checkpoints (``task.type``) by earlier versions keep resolving."""
+
+
+def current_type_path(type_path: str) -> str:
+    """``type_path`` with a moved module (MOVED_MODULES) replaced by its new name."""
+    for old, new in MOVED_MODULES.items():
+        if type_path == old or type_path.startswith((f"{old}.", f"{old}:")):
+            return new + type_path[len(old):]
+    return type_path
+
+
 def import_config_class(type_path: Any, base: type, path: str) -> type:
     """The config class named by ``type_path``, checked to be a subclass of ``base``."""
     if not isinstance(type_path, str) or not type_path:
         raise ConfigError(f"{path}: expected an import path 'package.module:Class', got "
                           f"{type_path!r}")
+    type_path = current_type_path(type_path)
     module_name, _, qualname = type_path.partition(":")
     if not qualname:
         module_name, _, qualname = type_path.rpartition(".")

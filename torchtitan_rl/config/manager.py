@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import pathlib
+import sys
 from typing import Any, TypeVar
 
 import tomli
@@ -154,6 +156,28 @@ def apply_overrides(config: ConfigT, overrides: dict[str, Any]) -> ConfigT:
     return dataclass_from_data(type(config), nested, base=config)
 
 
+def add_checkout_to_import_path(config_file: str | pathlib.Path) -> pathlib.Path | None:
+    """Put the checkout a run config lives in (the nearest folder above the file with a
+    ``pyproject.toml`` or ``.git``) first on the import path of this process and, through
+    PYTHONPATH, of the processes the run starts: the task classes the config names
+    (``examples.alphabet_sort:AlphabetSortTask``) import from any working directory. A regular
+    package there wins over a namespace package of the same name in site-packages (torchmonarch
+    installs one named ``examples``). Returns the folder (None: the file is in no checkout)."""
+    folder = pathlib.Path(config_file).resolve().parent
+    for candidate in (folder, *folder.parents):
+        if (candidate / "pyproject.toml").is_file() or (candidate / ".git").exists():
+            break
+    else:
+        return None
+    root = str(candidate)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
+    return candidate
+
+
 def parse_args(
     root_cls: type[ConfigT], argv: list[str], defaults: ConfigT | None = None
 ) -> ParsedArgs:
@@ -164,6 +188,7 @@ def parse_args(
     first = _parser(root_cls, {p: str for p in type_keys})
     args, _ = first.parse_known_args(argv)
     if args._config_file:
+        add_checkout_to_import_path(args._config_file)
         config = dataclass_from_data(root_cls, load_toml(args._config_file), base=config)
     types_given = {p: getattr(args, p) for p in type_keys if getattr(args, p) is not None}
     if types_given:

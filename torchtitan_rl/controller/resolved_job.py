@@ -81,7 +81,7 @@ class ResolvedJob:
         if self.task.__class__ is TaskConfig:
             raise ConfigError(
                 "task.type: name the task class, e.g. [task] type = "
-                "\"torchtitan_rl.examples.alphabet_sort:AlphabetSortTask\" (any class whose Config subclasses "
+                "\"examples.alphabet_sort:AlphabetSortTask\" (any class whose Config subclasses "
                 "torchtitan_rl.task.TaskConfig)"
             )
         owner = getattr(type(self.task), "_owner", None)

@@ -3,9 +3,9 @@ OpenAI-compatible endpoint, not by a MessageEnv.
 
     [task]
     type = "torchtitan_rl.rollout.agent_task:AgentTask"
-    agent = "torchtitan_rl.examples.alphabet_sort.agent:run"   # async def run(episode, client)
+    agent = "examples.alphabet_sort.agent:run"   # async def run(episode, client)
     [task.episodes]                                          # the task whose episode specs it plays
-    type = "torchtitan_rl.examples.alphabet_sort:AlphabetSortTask"
+    type = "examples.alphabet_sort:AlphabetSortTask"
 
     Rollouter.run_single_rollout: env = task.make_env(spec) -> an AgentEnv -> env.play(...):
         EpisodeCapture(generate_fn, seeds, limits) --open--> EpisodeServer -> base_url
@@ -108,7 +108,7 @@ class AgentTask(Configurable):
         if config.episodes.__class__ is TaskConfig:
             raise ConfigError("task.episodes.type: name the task whose episodes the agent plays, "
                               "e.g. [task.episodes] type = "
-                              "\"torchtitan_rl.examples.alphabet_sort:AlphabetSortTask\"")
+                              "\"examples.alphabet_sort:AlphabetSortTask\"")
         self.config = config
         self.agent = load_agent(config.agent)
         self._tool_parser = load_tool_parser(config.tool_parser) if config.tool_parser else None

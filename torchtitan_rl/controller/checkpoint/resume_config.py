@@ -10,6 +10,7 @@ import logging
 import pathlib
 from typing import Any
 
+from torchtitan_rl.config.convert import current_type_path
 from torchtitan_rl.config.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ def config_changes(saved: dict[str, Any],
     """(key, saved value, current value) for each key whose value differs. A key only one side
     has is not a change: the code that wrote the checkpoint had no such field (or has it no
     more), and its default is what that code ran with."""
+    saved = {key: current_type_path(value) if key.endswith("type") and isinstance(value, str)
+             else value for key, value in saved.items()}
     return [(key, saved[key], current[key]) for key in current
             if key in saved and saved[key] != current[key]]
 

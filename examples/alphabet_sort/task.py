@@ -1,7 +1,7 @@
 """AlphabetSortTask: a `torchtitan_rl.task.SupervisedTask` (episodes, env factory, solutions).
 
     [task]
-    type = "torchtitan_rl.examples.alphabet_sort:AlphabetSortTask"     (a job names it in its TOML)
+    type = "examples.alphabet_sort:AlphabetSortTask"     (a job names it in its TOML)
 
     controller: task = AlphabetSortTask.Config(...).build()
     controller: spec = task.dataset("train")[i]          (same spec for the same seed, split, i)
@@ -18,15 +18,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, overload
 
-from torchtitan_rl.assets.names import NameBank
-from torchtitan_rl.config.configurable import Configurable
-from torchtitan_rl.examples.alphabet_sort.env import AlphabetSortEnv
-from torchtitan_rl.examples.alphabet_sort.episode import (
+from examples.alphabet_sort.env import AlphabetSortEnv
+from examples.alphabet_sort.episode import (
     AlphabetSortEpisode,
     EpisodeShape,
     make_episode,
 )
-from torchtitan_rl.examples.alphabet_sort.solutions import solved_conversation
+from examples.alphabet_sort.solutions import solved_conversation
+from torchtitan_rl.assets.names import NameBank
+from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.rollout.message_env import Message
 from torchtitan_rl.task import TaskConfig
 
@@ -63,7 +63,7 @@ class AlphabetSortDataset(Sequence[AlphabetSortEpisode]):
 
 
 class AlphabetSortTask(Configurable):
-    """Sort names alphabetically over 1..max_turns turns (see torchtitan_rl/examples/alphabet_sort/episode.py)."""
+    """Sort names alphabetically over 1..max_turns turns (see examples/alphabet_sort/episode.py)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(TaskConfig):

@@ -3,9 +3,9 @@
 The example task of docs/tasks.md, which shows and explains every line of it.
 """
 
-from torchtitan_rl.examples.running_sum.env import RunningSumEnv, closeness, first_integer
-from torchtitan_rl.examples.running_sum.episode import RunningSumEpisode, make_episode
-from torchtitan_rl.examples.running_sum.task import RunningSumDataset, RunningSumTask
+from examples.running_sum.env import RunningSumEnv, closeness, first_integer
+from examples.running_sum.episode import RunningSumEpisode, make_episode
+from examples.running_sum.task import RunningSumDataset, RunningSumTask
 
 __all__ = ["RunningSumDataset", "RunningSumEnv", "RunningSumEpisode", "RunningSumTask",
            "closeness", "first_integer", "make_episode"]

@@ -3,7 +3,7 @@ with the `openai` client against the run's endpoint (run_configs/alphabet_sort_a
 
 from openai import AsyncOpenAI
 
-from torchtitan_rl.examples.alphabet_sort.reward import alphabet_sort_reward, turn_score
+from examples.alphabet_sort.reward import alphabet_sort_reward, turn_score
 
 
 async def run(episode, client: AsyncOpenAI) -> tuple[float, list[float]]:

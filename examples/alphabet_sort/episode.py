@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
+from examples.alphabet_sort.reward import COMBINED_TAG, FIRST_TAG, NEW_NAME_MARK
 from torchtitan_rl.assets.names import split_name
-from torchtitan_rl.examples.alphabet_sort.reward import COMBINED_TAG, FIRST_TAG, NEW_NAME_MARK
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -5,10 +5,10 @@
     env = task.make_env(episode)          # a MessageEnv for the Rollouter
 """
 
-from torchtitan_rl.examples.alphabet_sort.env import AlphabetSortEnv
-from torchtitan_rl.examples.alphabet_sort.episode import AlphabetSortEpisode, make_episode
-from torchtitan_rl.examples.alphabet_sort.reward import alphabet_sort_reward, turn_score
-from torchtitan_rl.examples.alphabet_sort.task import AlphabetSortDataset, AlphabetSortTask
+from examples.alphabet_sort.env import AlphabetSortEnv
+from examples.alphabet_sort.episode import AlphabetSortEpisode, make_episode
+from examples.alphabet_sort.reward import alphabet_sort_reward, turn_score
+from examples.alphabet_sort.task import AlphabetSortDataset, AlphabetSortTask
 
 __all__ = [
     "AlphabetSortDataset",

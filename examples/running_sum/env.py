@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from torchtitan_rl.examples.running_sum.episode import RunningSumEpisode
+from examples.running_sum.episode import RunningSumEpisode
 from torchtitan_rl.rollout.message_env import EnvStep, Message, MessageEnv
 
 

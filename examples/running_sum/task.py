@@ -1,7 +1,7 @@
 """RunningSumTask: a `torchtitan_rl.task.SupervisedTask` (episodes, env, solved conversations).
 
     [task]
-    type = "torchtitan_rl.examples.running_sum:RunningSumTask"
+    type = "examples.running_sum:RunningSumTask"
     num_turns = 2
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from examples.running_sum.env import RunningSumEnv
+from examples.running_sum.episode import RunningSumEpisode, make_episode
 from torchtitan_rl.config.configurable import Configurable
-from torchtitan_rl.examples.running_sum.env import RunningSumEnv
-from torchtitan_rl.examples.running_sum.episode import RunningSumEpisode, make_episode
 from torchtitan_rl.rollout.message_env import Message
 from torchtitan_rl.task import Split, TaskConfig
 

@@ -10,8 +10,8 @@ The reply's content only matters for scoring: the next prompt is fixed by the ep
 
 from __future__ import annotations
 
-from torchtitan_rl.examples.alphabet_sort.episode import AlphabetSortEpisode
-from torchtitan_rl.examples.alphabet_sort.reward import alphabet_sort_reward, turn_score
+from examples.alphabet_sort.episode import AlphabetSortEpisode
+from examples.alphabet_sort.reward import alphabet_sort_reward, turn_score
 from torchtitan_rl.rollout.message_env import EnvStep, Message, MessageEnv
 
 

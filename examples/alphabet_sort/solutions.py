@@ -6,8 +6,8 @@ fine-tuned on these learns the format and the copying; RL then has a signal to i
 
 from __future__ import annotations
 
-from torchtitan_rl.examples.alphabet_sort.episode import AlphabetSortEpisode
-from torchtitan_rl.examples.alphabet_sort.reward import answer_tag
+from examples.alphabet_sort.episode import AlphabetSortEpisode
+from examples.alphabet_sort.reward import answer_tag
 
 
 def solved_reply(episode: AlphabetSortEpisode, turn: int) -> str:

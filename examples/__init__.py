@@ -1,0 +1,1 @@
+"""Example tasks for torchtitan_rl (importable: ``examples.alphabet_sort``)."""
