@@ -8,8 +8,9 @@
     Rollouter:  env = task.make_env(spec)                 (one MessageEnv per rollout)
     WarmStart:  task.solved_conversation(spec)            (training split only)
 
-Train and validation draw names from disjoint pools of one NameBank, so validation measures sorting
-names the policy never saw.
+Validation episodes are held out (their own seed). Their names come from a pool reserved for
+validation (``validation_names = "disjoint"``, the default: sorting names the policy never saw) or
+from the training pool (``"shared"``, the main job's setting).
 """
 
 from __future__ import annotations

@@ -50,8 +50,7 @@ def new_loop(engine: Any, config: Generator.Config, *, steps: list[StepStats] | 
     an in_place engine is set up by start_engine_loop, see tests/weight_sync/test_weight_sync_in_place_pull.py)."""
     puller = WeightPuller(config.model_dir)  # type: ignore[arg-type]
     kwargs: dict[str, Any] = dict(
-        prepare_weights=puller.prepare,
-        apply_weights=puller.apply,
+        puller=puller,
         weight_sync=config.weight_sync,
         max_engine_steps_between_decisions=config.max_engine_steps_between_decisions,
         default_sampling=config.sampling,

@@ -1,42 +1,32 @@
 """The root of a run's config tree, and the single controller that runs it.
 
-    RLJob.Config
-    ├── model         ModelSource        local HF dir, or one of our offline sizes
-    ├── warm_start    WarmStart          supervised warm start on solved training episodes (cached)
-    ├── task          TaskConfig         any task class, named by `type` (torchtitan_rl/task.py)
-    ├── rollouter     Rollouter          group size, turn cap, token budget, advantages
-    ├── sampling      Sampling           rollout sampling
-    ├── placement     Placement          hosts: local | process | attach | slurm | kubernetes
-    ├── generator     Generator          vLLM actor (x num_generators meshes, TP procs each)
-    ├── router        GeneratorRouter    request routing over the generators
-    ├── trainer       PolicyTrainer      torchtitan Qwen3, optimizer, GRPO loss (x num_trainer_ranks)
-    ├── batcher       Batcher            samples -> [microbatch][dp] rows of seq_len
-    ├── loop          TrainingLoop       steps, groups per step, staleness, partial rollouts
-    ├── validation    Validator
-    ├── checkpoint    Checkpointer       every K steps, resume, HF export
-    ├── metrics       MetricsLogger      TensorBoard + JSONL
-    └── recorder      RolloutRecorder    rollout JSONL
+``RLJob.Config`` has one field per part of a run (each that part's own Config: ``trainer`` is a
+``PolicyTrainer.Config``, ``loop`` a ``TrainingLoop.Config``, ...) plus the job-wide choices
+(name, seed, how many generators and trainer ranks); ``--help`` lists them all.
 
-    RLJob(config).run():
-        resolve() -> ResolvedJob (checked)        nothing spawned yet; --print-resolved stops here
-        run folder (resume or fresh) -> model dir (made, warm-started: cached)
-        build_parts(plan) -> RunParts             spawn.py: meshes and every part
-        resume: restore checkpoint, push its weights
-        TrainingLoop.run()                        loop.py: validate, steps, validate
-            a trainer proc dies -> a new trainer mesh, the newest checkpoint restored into it,
-            the generators rewound to its version, TrainingLoop.run() again (max_restarts)
-        HF export, reward curve PNG -> summary ``reward_before=... reward_after=... steps=...``
+    RLJob(config).run_async():
+        resolve()                      -> ResolvedJob: every part's config derived and checked,
+                                          nothing spawned (--print-resolved stops here)
+        _open_run_folder               -> the newest complete checkpoint, or step 0
+        _make_model                    -> the model directory (made offline; warm start cached)
+        build_parts (spawn.py)         -> RunParts: the meshes and every part
+        _train_restarting_the_trainer  -> continue_from (resume.py) a checkpoint, TrainingLoop.run
+                                          (loop/loop.py), HF export, reward curve; a lost trainer:
+                                          restart_trainer (trainer_restart.py), then again
+        parts.close(); _write_summary  -> summary.json, ``reward_before=... reward_after=...``
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import json
 import logging
 import pathlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from torchtitan_rl.assets.model_source import ModelSource
@@ -193,29 +183,14 @@ class RLJob(Configurable):
 
     async def run_async(self, *,
                         spawn_trainer: SpawnTrainer | None = None) -> dict[str, Any]:
-        """``spawn_trainer``: the torchrun ranks in place of a trainer mesh (torchrun.py)."""
+        """Resolve, open the run folder, make the model, spawn the parts, train (a lost trainer
+        restarted), close, summarise. ``spawn_trainer``: the torchrun ranks in place of a trainer
+        mesh (torchrun.py)."""
         wall_start = time.perf_counter()
         plan = self.resolve()
-        run_dir = pathlib.Path(plan.run_dir)
-        checkpointer = plan.checkpoint.build(
-            run_dir=run_dir, num_steps=plan.loop.num_steps,
-            step_logs=[run_dir / "metrics.jsonl", run_dir / plan.recorder.path],
-            job_config=flat_config(self.config))  # saved with each checkpoint, checked on resume
-        found = checkpointer.prepare_run_dir()
-        state = ControllerState(step=0, next_group_id=0)
-        resume_dir = None
-        resumed: dict[str, Any] = {"resumed_from_step": None}
-        if found is not None:
-            resume_dir, state = found
-            checkpointer.forget_steps_from(state.step)
-            resumed = {"resumed_from_step": state.step,
-                       "resumed_finished_groups": len(state.finished),
-                       "resumed_in_flight_groups": len(state.in_flight)}
-        logger.info("run folder: %s", run_dir.resolve())
+        checkpointer, resume_dir, state, resumed = self._open_run_folder(plan)
         _make_model(plan)
         _dump_tasks_on_sigusr1()
-        restored_from: list[int] = []
-        """The step each in-run trainer restart went back to (0: the run's start)."""
         with MeshFailureWatch() as watch:
             parts = await build_parts(
                 plan, checkpointer=checkpointer, spawn_trainer=spawn_trainer,
@@ -223,61 +198,63 @@ class RLJob(Configurable):
             watch.attach(parts.generators, parts.workers)
             if isinstance(parts.trainer, MonarchTrainerClient) and plan.trainer.max_restarts:
                 watch.watch_trainer(parts.trainer.mesh_name)  # torchrun owns its ranks: not here
-            # The start-up heap (torch, transformers, Monarch: ~0.5 M objects) lives as long as
-            # the run, and every full collection scanned it: with rollout workers that was half
-            # the controller's CPU (bench/scale.py). Frozen, collections see what the run makes
-            # (vLLM's engine does the same); unfrozen after, for callers that go on.
-            gc.freeze()
-            try:
+            async with _mesh_failures_in_one_line(watch):
+                # The start-up heap (torch, transformers, Monarch) lives as long as the run:
+                # frozen, garbage collections scan only what the run makes (vLLM's engine does
+                # the same); unfrozen after, for callers that go on.
+                gc.freeze()
                 try:
-                    while True:
-                        try:
-                            await watch.run_until_failure(
-                                self._train(plan, parts, resume_dir, state))
-                            break
-                        except Exception as e:
-                            if not await lost_the_trainer(watch, e):
-                                raise
-                            if len(restored_from) == plan.trainer.max_restarts:
-                                raise RunFailedError(
-                                    f"the trainer was lost {len(restored_from) + 1} times "
-                                    f"(trainer.max_restarts={plan.trainer.max_restarts}): "
-                                    f"{short_report(watch.trainer_lost or '')}; a rerun "
-                                    f"resumes from the newest checkpoint") from e
-                        state = await restart_trainer(plan, parts, watch,
-                                                      restart=len(restored_from) + 1)
-                        resume_dir = None  # restored already
-                        restored_from.append(state.step)
+                    state, restored_from = await self._train_restarting_the_trainer(
+                        plan, parts, watch, resume_dir, state)
                 finally:
                     await parts.close()
                     gc.unfreeze()
-            except RunFailedError as e:
-                if watch.failures:  # summarised after the close: every failure is in by now
-                    raise RunFailedError(watch.summary()) from e
-                raise
+        return _write_summary(plan, state, resumed, restored_from, wall_start)
+
+    def _open_run_folder(self, plan: ResolvedJob) -> tuple[
+            Checkpointer, pathlib.Path | None, ControllerState, dict[str, Any]]:
+        """The checkpointer over the run folder, and where the run starts: the newest complete
+        checkpoint (its directory and state; the step logs past it dropped) or step 0."""
+        run_dir = pathlib.Path(plan.run_dir)
+        checkpointer = plan.checkpoint.build(
+            run_dir=run_dir, num_steps=plan.loop.num_steps,
+            step_logs=[run_dir / "metrics.jsonl", run_dir / plan.recorder.path],
+            job_config=flat_config(self.config))  # saved with each checkpoint, checked on resume
+        found = checkpointer.prepare_run_dir()
+        logger.info("run folder: %s", run_dir.resolve())
+        if found is None:
+            return checkpointer, None, ControllerState(step=0, next_group_id=0), {
+                "resumed_from_step": None}
+        resume_dir, state = found
+        checkpointer.forget_steps_from(state.step)
+        return checkpointer, resume_dir, state, {
+            "resumed_from_step": state.step, "resumed_finished_groups": len(state.finished),
+            "resumed_in_flight_groups": len(state.in_flight)}
+
+    async def _train_restarting_the_trainer(
+            self, plan: ResolvedJob, parts: RunParts, watch: MeshFailureWatch,
+            resume_dir: pathlib.Path | None, state: ControllerState,
+    ) -> tuple[ControllerState, list[int]]:
+        """Train; a lost trainer is replaced and the run goes on from the newest checkpoint, at
+        most trainer.max_restarts times. Returns the final state and the step each restart went
+        back to (0: the run's start)."""
+        restored_from: list[int] = []
+        while True:
+            try:
+                await watch.run_until_failure(self._train(plan, parts, resume_dir, state))
+                return state, restored_from
             except Exception as e:
-                if is_supervision_error(e):  # a call to a dead actor: say which, in one line
-                    # The call's error names the proc's first actor (often Monarch's own); the
-                    # supervision report that follows names ours.
-                    await watch.wait_for_failure(timeout_s=SUPERVISION_REPORT_WAIT_S)
-                    raise RunFailedError(watch.summary() if watch.failures else
-                                         "actor mesh failure: " + " ".join(str(e).split())) from e
-                raise  # the run's own error, not masked by failures of the meshes it stopped
-        history = state.validation_history
-        summary = {
-            "reward_before": history[0][1] if history else None,
-            "reward_after": history[-1][1] if history else None,
-            "reward_after_per_turn": state.validation_per_turn,
-            "steps": state.step,
-            "wall_s": round(time.perf_counter() - wall_start, 1),
-            "run_dir": plan.run_dir,
-            **resumed,
-            "trainer_restarts": len(restored_from),
-            "trainer_restored_from_steps": restored_from,
-        }
-        (pathlib.Path(plan.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
-        logger.info("run folder: %s", pathlib.Path(plan.run_dir).resolve())
-        return summary
+                if not await lost_the_trainer(watch, e):
+                    raise
+                if len(restored_from) == plan.trainer.max_restarts:
+                    raise RunFailedError(
+                        f"the trainer was lost {len(restored_from) + 1} times "
+                        f"(trainer.max_restarts={plan.trainer.max_restarts}): "
+                        f"{short_report(watch.trainer_lost or '')}; a rerun resumes from the "
+                        f"newest checkpoint") from e
+            state = await restart_trainer(plan, parts, watch, restart=len(restored_from) + 1)
+            resume_dir = None  # restored already
+            restored_from.append(state.step)
 
     async def _train(self, plan: ResolvedJob, parts: RunParts, resume_dir: pathlib.Path | None,
                      state: ControllerState) -> None:
@@ -295,6 +272,48 @@ class RLJob(Configurable):
         _plot(state, run_dir)
 
 
+@contextlib.asynccontextmanager
+async def _mesh_failures_in_one_line(watch: MeshFailureWatch) -> AsyncIterator[None]:
+    """A run ended by failed meshes raises one RunFailedError naming them (summarised after the
+    parts are closed: every failure is in by then). The run's own error passes unchanged, not
+    masked by failures of the meshes it stopped."""
+    try:
+        yield
+    except RunFailedError as e:
+        if watch.failures:
+            raise RunFailedError(watch.summary()) from e
+        raise
+    except Exception as e:
+        if is_supervision_error(e):  # a call to a dead actor: say which, in one line
+            # The call's error names the proc's first actor (often Monarch's own); the
+            # supervision report that follows names ours.
+            await watch.wait_for_failure(timeout_s=SUPERVISION_REPORT_WAIT_S)
+            raise RunFailedError(watch.summary() if watch.failures else
+                                 "actor mesh failure: " + " ".join(str(e).split())) from e
+        raise
+
+
+def _write_summary(plan: ResolvedJob, state: ControllerState, resumed: dict[str, Any],
+                   restored_from: list[int], wall_start: float) -> dict[str, Any]:
+    """summary.json in the run folder: the rewards before and after, steps, wall time, resume
+    and restarts."""
+    history = state.validation_history
+    summary = {
+        "reward_before": history[0][1] if history else None,
+        "reward_after": history[-1][1] if history else None,
+        "reward_after_per_turn": state.validation_per_turn,
+        "steps": state.step,
+        "wall_s": round(time.perf_counter() - wall_start, 1),
+        "run_dir": plan.run_dir,
+        **resumed,
+        "trainer_restarts": len(restored_from),
+        "trainer_restored_from_steps": restored_from,
+    }
+    (pathlib.Path(plan.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    logger.info("run folder: %s", pathlib.Path(plan.run_dir).resolve())
+    return summary
+
+
 def _dump_tasks_on_sigusr1() -> None:
     """``kill -USR1 <controller pid>`` logs where every task of the run waits (a stuck run)."""
     import signal
@@ -307,8 +326,8 @@ def _dump_tasks_on_sigusr1() -> None:
 
 def _warm_start_fingerprint(task: TaskConfig, enable_thinking: bool | None = None) -> str:
     """The task settings the warm start's training conversations depend on, and the chat
-    template's thinking mode they are rendered in (`rollouter.enable_thinking`; absent when None,
-    so warm starts cached before the setting existed keep their key)."""
+    template's thinking mode they are rendered in (`rollouter.enable_thinking`; when None the key
+    is the task's settings alone)."""
     task = task.warm_start_config()
     data = to_data(task)
     independent = type(task).warm_start_independent_fields

@@ -2,7 +2,7 @@
 
 Public API:
     Generator (actor, Generator.Config), WeightSyncPolicy
-    spawn_generator(config, *, name="generator", host=None, on_lost=None) -> GeneratorHandle
+    spawn_generator(config, *, name, host=None, procs=None, on_lost=None) -> GeneratorHandle
     GeneratorLostError: a request whose generator died (restart its group)
     start_engine_loop(config, *, on_step=None, wrap_engine=None) -> EngineLoop   (in-process)
     EngineLoop, StepStats, LoopInbox, LoopAction, LoopDecision

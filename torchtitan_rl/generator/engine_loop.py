@@ -48,17 +48,12 @@ from torchtitan_rl.generator.vllm_engine import (
     finished_outputs_of_step,
 )
 from torchtitan_rl.types import Completion, GenerateRequest, Sampling
+from torchtitan_rl.weight_sync.pull import WeightPuller
 from torchtitan_rl.weight_sync.shared_memory import StagedWeights
 
 logger = logging.getLogger(__name__)
 
 _RANK0_FAILED = "rank 0's engine loop failed"
-
-PrepareWeightsFn = Callable[[dict[str, Any]], Any]
-"""state_dict -> weights for the engine, raising on a bad state dict (`WeightPuller.prepare`)."""
-ApplyWeightsFn = Callable[[Any, Any], None]
-"""(engine, prepared weights) -> None, between engine steps (`WeightPuller.apply`)."""
-
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class StepStats:
@@ -76,8 +71,7 @@ class EngineLoop:
         self,
         engine: Any,
         *,
-        prepare_weights: PrepareWeightsFn,
-        apply_weights: ApplyWeightsFn,
+        puller: WeightPuller,
         weight_sync: WeightSyncPolicy | None = None,
         max_engine_steps_between_decisions: int = 16,
         default_sampling: Sampling | None = None,
@@ -90,8 +84,9 @@ class EngineLoop:
             raise ValueError("max_engine_steps_between_decisions must be >= 1, got "
                              f"{max_engine_steps_between_decisions}")
         self.engine = engine
-        self.prepare_weights = prepare_weights
-        self.apply_weights = apply_weights
+        self.puller = puller
+        """Turns a pulled state dict into the engine's weights (prepare: raises on a bad state
+        dict) and loads them between engine steps (apply): weight_sync/pull.py."""
         self.weight_sync = weight_sync or WeightSyncPolicy()
         self.max_steps = max_engine_steps_between_decisions
         self.default_sampling = default_sampling or Sampling()
@@ -199,7 +194,7 @@ class EngineLoop:
         self._check_running("pull_model_state_dict")
         self._pulls.check_new(policy_version, self.policy_version)
         start = time.perf_counter()
-        weights = self.prepare_weights(state_dict)
+        weights = self.puller.prepare(state_dict)
         if streamed:
             weights = StagedWeights(weights, self._pulls.entry(policy_version).staging)
         convert_s = time.perf_counter() - start
@@ -391,7 +386,7 @@ class EngineLoop:
         logger.info("rank %d: pulled policy version %d in %.3f s", self.rank, version, apply_s)
 
     def _apply_pull(self, version: int, weights: Any) -> None:
-        self.apply_weights(self.engine, weights)
+        self.puller.apply(self.engine, weights)
         self.engine.set_weight_version(str(version))
         policy = self.weight_sync
         if policy.reset_prefix_cache and not policy.salts_prefix_cache_by_version:

@@ -66,8 +66,7 @@ async def start_engine_loop(
         channel = await loop.run_in_executor(executor, DecisionChannel.new_gloo_group)
     engine_loop = EngineLoop(
         wrap_engine(engine) if wrap_engine is not None else engine,
-        prepare_weights=puller.prepare,
-        apply_weights=puller.apply,
+        puller=puller,
         weight_sync=config.weight_sync,
         max_engine_steps_between_decisions=config.max_engine_steps_between_decisions,
         default_sampling=config.sampling,

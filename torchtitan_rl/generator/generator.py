@@ -195,9 +195,8 @@ class Generator(Actor, Configurable):
         """Rank 0: generate each ``(key, request)``; its outcome goes to ``replies`` as
         ``(key, completion, error)`` once ready, and outcomes ready together (one engine step's
         finished requests) travel in one message. Returns when every outcome is sent, so a dead
-        generator fails this call. (See `EngineLoop.generate`.) A Monarch call costs ~0.3-0.4 ms
-        of CPU on each side: a call per request was a tenth of the controller's CPU and took
-        from the generator's core (bench/async_vs_sync.py)."""
+        generator fails this call. Batching keeps the Monarch messages (each costs CPU on both
+        sides) per event-loop turn rather than per request."""
         async with self._waiting_call():
             generating = []
             for key, request in requests:

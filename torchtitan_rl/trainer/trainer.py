@@ -5,7 +5,7 @@ and `TrainerClient`, the controller's one view of the trainer however its ranks 
       every rank: batcher.pack(samples) -> TrainingBatch (the same on every rank), FSDP/TP
       fwd+bwd of its column (gloo/NCCL) -metrics-> controller
       -optim_step()-> every rank: clip, AdamW, policy_version += 1 -metrics-> controller
-    generator pool -push_weights(generator, version)-> TrainerClient (shared memory: a
+    generator pool -push_full_weights(generator, version)-> TrainerClient (shared memory: a
         generator on this machine) -> every rank: all-gather full tensors; rank 0:
         WeightPusher.push (weight_sync/push.py) -pull_model_state_dict(policy_version,
         shared-memory references that unpickle as tensors)-> every generator rank
@@ -152,7 +152,7 @@ class PolicyTrainer(Actor, Configurable):
         return self.core.full_model_state_dict()
 
     @concurrent_endpoint
-    async def push_weights(
+    async def push_full_weights(
         self,
         generators: Any,
         policy_version: int | None = None,
@@ -182,7 +182,7 @@ class PolicyTrainer(Actor, Configurable):
         return metrics
 
     @concurrent_endpoint
-    async def send_weights(self, chain: list[Any], policy_version: int, attempt: int
+    async def relay_weights(self, chain: list[Any], policy_version: int, attempt: int
                            ) -> dict[str, float]:
         """Every rank: send the pieces of the weights this rank owns (no gather) to the head of
         ``chain`` (generator actor meshes) as push ``(policy_version, attempt)``; they relay it
@@ -234,7 +234,7 @@ def rank0_value(values: Any) -> Any:
 
 
 def sender_totals(per_sender: list[dict[str, float]]) -> dict[str, float]:
-    """The trainer's side of a relayed push from each sending rank's ``send_weights`` result."""
+    """The trainer's side of a relayed push from each sending rank's ``relay_weights`` result."""
     return {"model_bytes": max(v["model_bytes"] for v in per_sender),
             "busiest_sender_bytes": max(v["sent_bytes"] for v in per_sender),
             "sent_bytes": sum(v["sent_bytes"] for v in per_sender),
@@ -303,7 +303,7 @@ class TrainerClient(abc.ABC):
         """Every rank clips, steps AdamW and advances its policy version."""
 
     @abc.abstractmethod
-    async def push_weights(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
+    async def push_full_weights(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
         """The trainer's weights into every rank of ``generator`` as policy ``version``, over the
         generator's ``weight_transport`` (read back and compared bit for bit when
         ``verify_push``): every rank gathers, rank 0 pushes."""
@@ -369,14 +369,14 @@ class MonarchTrainerClient(TrainerClient):
     async def optim_step(self) -> dict[str, float]:
         return rank0_value(await self.actors.optim_step.call())
 
-    async def push_weights(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
+    async def push_full_weights(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
         assert generator.weight_transport is not None, "the pool picks each generator's transport"
-        return rank0_value(await self.actors.push_weights.call(
+        return rank0_value(await self.actors.push_full_weights.call(
             generator.actors, version, self.verify_push, generator.weight_transport))
 
     async def relay_weights(self, chain: list[GeneratorHandle], version: int, attempt: int
                             ) -> dict[str, float]:
-        values = await self.actors.send_weights.call([h.actors for h in chain], version, attempt)
+        values = await self.actors.relay_weights.call([h.actors for h in chain], version, attempt)
         return sender_totals([value for _, value in values.items()])
 
     async def verify_weights(self, generators: list[GeneratorHandle], version: int) -> None:

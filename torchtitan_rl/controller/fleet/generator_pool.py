@@ -7,7 +7,7 @@
              a GeneratorRouter over them (wrapped in a ResumingGenerateFn with partial
              rollouts) is the GenerateFn the rollouts call
     push_weights(version): generators on the trainer's machine one at a time (the router keeps
-             new sessions off it): trainer.push_weights(generator, version) (shared memory);
+             new sessions off it): trainer.push_full_weights(generator, version) (shared memory);
              the others at once: trainer.relay_weights(chain, version, attempt) (every trainer
              rank sends its shards to chain[0], each generator forwards to the next,
              weight_sync/relay.py), then wait_weights(version, attempt) on each, raced against
@@ -182,7 +182,7 @@ class GeneratorPool:
         self.router.set_syncing([index], True)
         trainer_called = False
         try:
-            metrics = await until_lost(generator, self.trainer.push_weights(generator, version))
+            metrics = await until_lost(generator, self.trainer.push_full_weights(generator, version))
             trainer_called = True
             push.timings.update(metrics)
             moved = metrics.get("weight_sync/bytes", 0.0)
@@ -351,7 +351,7 @@ class GeneratorPool:
         """The current version into a replacement (not serving yet): shared memory, or a relay
         chain of one."""
         if new.weight_transport == "shared_memory":
-            await until_lost(new, self.trainer.push_weights(new, version))
+            await until_lost(new, self.trainer.push_full_weights(new, version))
             return
         attempt = REPLACEMENT_ATTEMPT  # apart from the loop's attempts of the same version
         # The loop may be training meanwhile: no step between the send and the read-back.

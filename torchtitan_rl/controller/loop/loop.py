@@ -1,4 +1,4 @@
-"""The training loop: rollout workers generate while the trainer trains, within a staleness bound.
+"""The training loop: groups are generated and trained within a staleness bound (S = 0: sync).
 
     producer:  gate.admit() -> group g at policy version v -> task: rollouter.run_group_rollouts(
                task.dataset("train")[cursor.prompt_index(g)]) in this process, or in a rollout

@@ -1,5 +1,5 @@
-"""A rollout worker: runs whole rollout groups in its own process, next to the generators, so
-the controller's CPU does per group what it used to do per turn.
+"""A rollout worker: runs whole rollout groups in its own process, next to the generators; the
+controller exchanges one message per group with it instead of one per turn.
 
     controller -spawn(RolloutWorkerSpec, [GeneratorRef])-> worker: task, tokenizer, Rollouter,
         one borrowed GeneratorHandle per generator (no procs: the pool owns the meshes), its
