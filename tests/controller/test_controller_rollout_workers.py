@@ -33,8 +33,11 @@ from tests.controller.jobs import (
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.config.manager import parse_args
 from torchtitan_rl.controller.job import RLJob
-from torchtitan_rl.controller.rollout_workers.link import RolloutWorkerLostError
-from torchtitan_rl.controller.rollout_workers.pool import RolloutWorkerPool, WorkerAssigner
+from torchtitan_rl.controller.rollout_workers.pool import (
+    RolloutWorkerLostError,
+    RolloutWorkerPool,
+    WorkerAssigner,
+)
 from torchtitan_rl.controller.rollout_workers.worker import GroupAssignment, GroupOutcome
 from torchtitan_rl.generator import GeneratorLostError
 from torchtitan_rl.generator.router import GeneratorRouter
@@ -307,7 +310,7 @@ def test_a_worker_lost_before_any_group_is_replaced_and_serves():
         pool = _pool([(_Procs(), _ReplaceableWorker(finish))], num_generators=1,
                      respawn=respawn)
         pool.mark_lost(0, "SIGKILL")  # before any group: the pool has not waited yet
-        await asyncio.gather(*pool._replacements)  # the replacement is in before the group
+        await asyncio.gather(*pool._replacing.values())  # the replacement is in before the group
         assert (await pool.run_group(1, 0, 4, Sampling())).group_id == 1
 
     asyncio.run(asyncio.wait_for(go(), 10))

@@ -34,7 +34,7 @@ import logging
 import os
 import re
 from collections.abc import Awaitable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -93,13 +93,76 @@ _COMPANION_MESHES = ("logger-", "spmdactor-")
 ``_SPMDActor``, which Monarch names ``spmdactor-<id>``)."""
 
 
-class ReplacesLost(Protocol):
-    """What the watch needs of a pool whose members it replaces (controller/fleet/generator_pool.py,
-    controller/rollout_workers/pool.py)."""
+class ReplaceableMeshes:
+    """A pool of actor meshes by index, each replaced on its own when lost: the generators
+    (controller/fleet/generator_pool.py) and the rollout workers
+    (controller/rollout_workers/pool.py). What the watch calls: ``index_of_mesh``, ``ignores``,
+    ``mark_lost``.
 
-    def index_of_mesh(self, mesh_name: str) -> int | None: ...
-    def ignores(self, mesh_name: str) -> bool: ...
-    def mark_lost(self, index: int, reason: str) -> None: ...
+    ``names[i]``: member i's spawn name (Monarch names its mesh ``<name>-<id>``). A lost member's
+    name is retired at once; its replacement spawns as ``<prefix>_<i>_r<n>`` (a new name: late
+    events of the dead mesh cannot match it) in a task of its own, one at a time per member, and
+    takes the member's place once ``_replace`` returns True. A failure reported for a mesh still
+    spawning is ignored: the spawn fails, and ``_replace`` decides what that means."""
+
+    def __init__(self, prefix: str, count: int) -> None:
+        self.prefix = prefix
+        self.names = [f"{prefix}_{i}" for i in range(count)]
+        self.retired_names: set[str] = set()
+        self.spawning_names: set[str] = set()
+        self.num_restarts = [0] * count
+        """Replacements started, by member."""
+        self.closing = False
+        self._replacing: dict[int, asyncio.Task[None]] = {}
+
+    def index_of_mesh(self, mesh_name: str) -> int | None:
+        """The member whose actor mesh Monarch names ``mesh_name`` (``<spawn name>-<id>``)."""
+        spawn_name = mesh_name.rsplit("-", 1)[0]
+        return self.names.index(spawn_name) if spawn_name in self.names else None
+
+    def ignores(self, mesh_name: str) -> bool:
+        """A mesh replaced already (its late events change nothing), or a replacement still
+        spawning (its failure fails the spawn)."""
+        return mesh_name.rsplit("-", 1)[0] in self.retired_names | self.spawning_names
+
+    def mark_lost(self, index: int, reason: str) -> None:
+        raise NotImplementedError
+
+    def replacing(self, index: int) -> bool:
+        return index in self._replacing
+
+    def start_replacement(self, index: int, reason: str) -> None:
+        """Retire member ``index``'s name and replace it in a task of its own (not while one
+        is under way, nor once the pool closes)."""
+        if self.closing or index in self._replacing:
+            return
+        self.retired_names.add(self.names[index])
+        self.num_restarts[index] += 1
+        name = f"{self.prefix}_{index}_r{self.num_restarts[index]}"
+        self._replacing[index] = asyncio.create_task(
+            self._run_replacement(index, name, reason), name=f"replace-{self.prefix}-{index}")
+
+    async def _run_replacement(self, index: int, name: str, reason: str) -> None:
+        self.spawning_names.add(name)
+        try:
+            if await self._replace(index, name, reason):
+                self.names[index] = name
+        finally:
+            self.spawning_names.discard(name)
+            self._replacing.pop(index, None)
+
+    async def _replace(self, index: int, name: str, reason: str) -> bool:
+        """Spawn member ``index``'s replacement as ``name`` and put it in its place; False when
+        it could not be (the pool has failed the run)."""
+        raise NotImplementedError
+
+    async def stop_replacing(self) -> None:
+        """The pool closes: cancel the replacements under way and wait for them to unwind."""
+        self.closing = True
+        tasks = list(self._replacing.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class MeshFailureWatch:
@@ -108,7 +171,7 @@ class MeshFailureWatch:
     def __init__(self, *, cancel_grace_s: float = 30.0) -> None:
         self.failures: list[str] = []
         """Fatal failures, first first."""
-        self.pools: list[ReplacesLost] = []
+        self.pools: list[ReplaceableMeshes] = []
         self.cancel_grace_s = cancel_grace_s
         """How long a cancelled run may take to unwind before RunFailedError is raised anyway."""
         self.trainer_mesh: str | None = None
@@ -138,7 +201,7 @@ class MeshFailureWatch:
 
         monarch.actor.unhandled_fault_hook = self._previous_hook
 
-    def attach(self, *pools: ReplacesLost | None) -> None:
+    def attach(self, *pools: ReplaceableMeshes | None) -> None:
         """From now on a failure of a member of ``pools`` replaces it instead of failing the
         run (None: no such pool in this run)."""
         self.pools = [pool for pool in pools if pool is not None]

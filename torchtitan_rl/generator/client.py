@@ -24,13 +24,13 @@ error marks the handle lost too and reports it through ``on_lost``.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
 
-from monarch.actor import Channel, Future, HostMesh, Port, PortReceiver, ProcMesh, this_host
+from monarch.actor import Future, HostMesh, Port, ProcMesh, this_host
 
+from torchtitan_rl.batched_calls import BatchedCaller
 from torchtitan_rl.generator.generator import GenerateOutcome, Generator
 from torchtitan_rl.types import Completion, GenerateRequest
 from torchtitan_rl.weight_sync.push import WeightTransport
@@ -76,50 +76,23 @@ class GeneratorHandle:
         """Why the generator was lost (None while it serves)."""
         self.lost_event = asyncio.Event()
         """Set when the generator is lost: calls other than generate() race against it."""
-        self._keys = itertools.count()
-        self._waiting: dict[int, asyncio.Future[Completion | None]] = {}
-        """generate() futures by key, until their outcome comes back."""
-        self._unsent: dict[int, GenerateRequest] = {}
-        """Requests made in this event-loop turn, sent together at its end."""
-        self._replies: Port[list[GenerateOutcome]] | None = None
-        self._receiving: asyncio.Future[None] | None = None
+        self._calls: BatchedCaller[GenerateRequest, Completion | None] = BatchedCaller(
+            send=self._submit, unpack=lambda outcome: outcome, on_port_failed=self.mark_lost,
+            # The caller gave a sent request up (its group failed elsewhere): free the engine
+            # slot rather than generate for nobody.
+            cancel=lambda key, request: self.rank0.abort.call_one([request.request_id]))
 
     def generate(self, request: GenerateRequest) -> asyncio.Future[Completion | None]:
         """Rank 0 generates one completion (await the future). The request leaves at the end of
-        this event-loop turn, with every other request made in the turn: one ``submit`` message
-        a batch (a Monarch message costs ~0.3 ms of CPU on each side), or before this handle's
-        next other message."""
-        loop = asyncio.get_running_loop()
-        result: asyncio.Future[Completion | None] = loop.create_future()
-        if self.lost_reason is not None:
-            result.set_exception(GeneratorLostError(f"{self.name} was lost: {self.lost_reason}"))
-            return result
-        if self._replies is None:
-            self._replies, receiver = Channel[list[GenerateOutcome]].open()
-            self._receiving = asyncio.ensure_future(self._receive_outcomes(receiver))
-        key = next(self._keys)
-        self._waiting[key] = result
-        if not self._unsent:
-            loop.call_soon(self._send_unsent)
-        self._unsent[key] = request
+        this event-loop turn with every other request made in the turn, in one ``submit``
+        message (batched_calls.py), or before this handle's next other message."""
+        return self._calls.call(request)
 
-        def forget(done: asyncio.Future[Completion | None]) -> None:
-            self._waiting.pop(key, None)
-            # The caller gave up (its group failed elsewhere): free the engine slot rather than
-            # generate for nobody. A request not sent yet is dropped; one sent is aborted, and
-            # the abort goes after its submit message, so rank 0 finds it.
-            if done.cancelled() and self._unsent.pop(key, None) is None \
-                    and self.lost_reason is None:
-                self.rank0.abort.call_one([request.request_id])
+    __call__ = generate
 
-        result.add_done_callback(forget)
-        return result
-
-    def _send_unsent(self) -> None:
-        batch, self._unsent = list(self._unsent.items()), {}
-        if not batch or self.lost_reason is not None:
-            return
-        call = asyncio.ensure_future(self.rank0.submit.call_one(batch, self._replies))
+    def _submit(self, batch: list[tuple[int, GenerateRequest]],
+                replies: Port[list[GenerateOutcome]]) -> None:
+        call = asyncio.ensure_future(self.rank0.submit.call_one(batch, replies))
 
         def settle(done: asyncio.Future[None]) -> None:
             error = None if done.cancelled() else done.exception()
@@ -127,27 +100,10 @@ class GeneratorHandle:
                 return
             if is_supervision_error(error):
                 self.mark_lost(f"{type(error).__name__}: {error}")
-                return
-            for key, _ in batch:
-                waiting = self._waiting.get(key)
-                if waiting is not None and not waiting.done():
-                    waiting.set_exception(error)
+            else:
+                self._calls.fail_calls([key for key, _ in batch], error)
 
         call.add_done_callback(settle)
-
-    async def _receive_outcomes(self, receiver: PortReceiver[list[GenerateOutcome]]) -> None:
-        try:
-            while True:
-                for key, completion, error in await receiver.recv():
-                    waiting = self._waiting.get(key)
-                    if waiting is None or waiting.done():  # cancelled, or failed by mark_lost
-                        continue
-                    if error is None:
-                        waiting.set_result(completion)
-                    else:
-                        waiting.set_exception(error)
-        except Exception as e:  # no outcome can reach its caller any more: never hang them
-            self.mark_lost(f"its reply port failed: {type(e).__name__}: {e}")
 
     def mark_lost(self, reason: str) -> None:
         """Fail every outstanding generate() with GeneratorLostError now; report the loss once."""
@@ -156,22 +112,13 @@ class GeneratorHandle:
         self.lost_reason = reason
         self.lost_event.set()
         logger.warning("%s lost: %s", self.name, reason)
-        for future in list(self._waiting.values()):
-            if not future.done():
-                future.set_exception(GeneratorLostError(f"{self.name} was lost: {reason}"))
-        self._stop_receiving()
+        self._calls.fail(lambda: GeneratorLostError(f"{self.name} was lost: {reason}"))
         if self.on_lost is not None:
             self.on_lost(self, reason)
 
-    __call__ = generate
-
-    def _stop_receiving(self) -> None:
-        if self._receiving is not None:
-            self._receiving.cancel()
-
     def abort(self, request_ids: list[str] | None = None) -> Future[int]:
         """Abort requests (None: all in flight); resolves once they have resolved."""
-        self._send_unsent()
+        self._calls.flush()
         return self.rank0.abort.call_one(request_ids)
 
     async def rewind_policy_version(self, version: int) -> None:
@@ -181,12 +128,12 @@ class GeneratorHandle:
 
     def get_policy_version(self) -> Future[int]:
         """Rank 0's policy version (the last pull applied)."""
-        self._send_unsent()
+        self._calls.flush()
         return self.rank0.get_policy_version.call_one()
 
     def count_inflight_requests(self) -> Future[int]:
         """Rank 0's generate() calls not yet resolved (queued or in the engine)."""
-        self._send_unsent()
+        self._calls.flush()
         return self.rank0.count_inflight_requests.call_one()
 
     async def get_finished_digests(self) -> list[tuple[int, int, str]]:
@@ -200,12 +147,12 @@ class GeneratorHandle:
         wait is bounded by ``timeout_s``."""
         try:
             if self.lost_reason is None:
-                self._send_unsent()
+                self._calls.flush()
                 await asyncio.wait_for(self.actors.close.call(), timeout_s)
-                if self._waiting:
-                    await asyncio.wait(set(self._waiting.values()), timeout=timeout_s)
+                if outstanding := self._calls.outstanding():
+                    await asyncio.wait(outstanding, timeout=timeout_s)
         finally:
-            self._stop_receiving()
+            self._calls.stop_receiving()
             if stop_procs and self.procs is not None:
                 await asyncio.wait_for(self.procs.stop(), timeout_s)
 
@@ -215,10 +162,7 @@ class GeneratorHandle:
         if self.lost_reason is None:
             self.lost_reason = reason
             self.lost_event.set()
-        for future in list(self._waiting.values()):
-            if not future.done():
-                future.set_exception(GeneratorLostError(f"{self.name}: {reason}"))
-        self._stop_receiving()
+        self._calls.fail(lambda: GeneratorLostError(f"{self.name}: {reason}"))
 
 
 async def _start_every_rank(actors: Any, tp: int) -> list[int]:

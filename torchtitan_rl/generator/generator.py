@@ -38,6 +38,7 @@ from typing import Any, Literal
 import torch
 from monarch.actor import Actor, Port, concurrent_endpoint, current_rank
 
+from torchtitan_rl.batched_calls import ReplyBatcher
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.console import configure_process_logging
 from torchtitan_rl.faults import maybe_kill
@@ -53,6 +54,12 @@ logger = logging.getLogger(__name__)
 
 GenerateOutcome = tuple[int, Completion | None, BaseException | None]
 """What submit() sends back for one request: (the caller's key, the completion, the error)."""
+
+
+def _error_as_text(outcome: GenerateOutcome) -> GenerateOutcome:
+    key, completion, error = outcome
+    return key, completion, None if error is None else RuntimeError(
+        f"{type(error).__name__}: {error}")
 
 
 class Generator(Actor, Configurable):
@@ -172,8 +179,8 @@ class Generator(Actor, Configurable):
         """This generator's own actor mesh (from the relay's chain): rank 0 calls its peers."""
         self._num_first_relay_chunks = 0
         """Chunks of the first relayed push seen (the fault point kill_generator_mid_relay)."""
-        self._outcomes: dict[str, tuple[Port, list[GenerateOutcome]]] = {}
-        """submit() outcomes not sent yet, by reply port (sent at the end of this loop turn)."""
+        self._outcomes: ReplyBatcher[GenerateOutcome] = ReplyBatcher(_error_as_text)
+        """submit() outcomes, sent per reply port at the end of the event-loop turn."""
 
     # ---- endpoints, in call order ---------------------------------------------------------------
     @concurrent_endpoint
@@ -207,7 +214,7 @@ class Generator(Actor, Configurable):
                 generating.append(task)
             if generating:
                 await asyncio.wait(generating)
-            self._send_outcomes()
+            self._outcomes.flush()
 
     @concurrent_endpoint
     async def share_on_host(self, state_dict: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
@@ -371,23 +378,7 @@ class Generator(Actor, Configurable):
             outcome = (key, None, task.exception())
         else:
             outcome = (key, task.result(), None)
-        # Every submit() of one caller carries the same port, unpickled into a new object each
-        # time: its reference names it.
-        port_name = repr(replies._port_ref)
-        if not self._outcomes:
-            asyncio.get_running_loop().call_soon(self._send_outcomes)
-        self._outcomes.setdefault(port_name, (replies, []))[1].append(outcome)
-
-    def _send_outcomes(self) -> None:
-        outcomes, self._outcomes = self._outcomes, {}
-        for replies, batch in outcomes.values():
-            try:
-                replies.send(batch)
-            except Exception:  # an error that does not pickle still reaches its caller, as text
-                logger.warning("submit outcomes did not pickle: errors sent as text", exc_info=True)
-                replies.send([(key, completion, None if error is None else
-                               RuntimeError(f"{type(error).__name__}: {error}"))
-                              for key, completion, error in batch])
+        self._outcomes.add(replies, outcome)
 
     def _loop(self) -> EngineLoop:
         if self.loop is None:

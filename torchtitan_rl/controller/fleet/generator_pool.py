@@ -47,6 +47,7 @@ from torchtitan_rl.controller.fleet.relay_push import (
 )
 from torchtitan_rl.controller.hosts.placement import RunHosts
 from torchtitan_rl.controller.hosts.shared_procs import spawn_generator_procs
+from torchtitan_rl.controller.supervision import ReplaceableMeshes
 from torchtitan_rl.generator import (
     Generator,
     GeneratorHandle,
@@ -69,7 +70,7 @@ LOST_REASON_CHARS = 100
 """How much of a loss's reason a failed replacement's one-line error repeats."""
 
 
-class GeneratorPool:
+class GeneratorPool(ReplaceableMeshes):
     def __init__(self, configs: list[Generator.Config], router_config: GeneratorRouter.Config, *,
                  hosts: RunHosts, weight_transport: str, abort_on_pull: bool,
                  policy_version: int, on_fatal: Callable[[str], None]) -> None:
@@ -77,6 +78,7 @@ class GeneratorPool:
         trainer's setting (auto | message | shared_memory); ``policy_version``: the version the
         generators start with (the trainer's weights); ``on_fatal``: how a failed replacement
         fails the run (supervision.MeshFailureWatch). The trainer comes with ``spawn``."""
+        super().__init__("generator", len(configs))
         self.configs = configs
         self.router_config = router_config
         self.trainer: TrainerClient
@@ -89,16 +91,11 @@ class GeneratorPool:
         self.router: GeneratorRouter | None = None
         self.resuming: ResumingGenerateFn | None = None
         """Partial rollouts (``abort_on_pull``): resumes requests a pull aborted."""
-        self.num_restarts = [0] * len(configs)
-        self.retired_names: set[str] = set()
         self.last_recovery_s = 0.0
         self._served_by_others = 0
         """Requests the other generators took while one was being replaced (finished windows)."""
         self._others_routed_at_loss: dict[int, int] = {}
         self._push_lock = asyncio.Lock()
-        self._replacing: dict[int, asyncio.Task[None]] = {}
-        self._spawning_names: set[str] = set()
-        self._closing = False
         self._push_reported: set[int] = set()
         self.shared_procs: ProcMesh | None = None
         """The first generators' one proc mesh (None: a mesh each); stopped at close."""
@@ -114,7 +111,7 @@ class GeneratorPool:
                 self.shared_procs, proc_of = shared
             for index in range(len(self.configs)):
                 self.handles.append(await spawn_generator(
-                    self.configs[index], name=f"generator_{index}",
+                    self.configs[index], name=self.names[index],
                     host=self.hosts.generator_host(index),
                     procs=proc_of(index) if shared else None, on_lost=self._on_handle_lost))
             self.trainer = await trainer
@@ -266,57 +263,40 @@ class GeneratorPool:
                                    generator.name, version)
 
     # ---- loss and replacement -------------------------------------------------------------------
-    def index_of_mesh(self, mesh_name: str) -> int | None:
-        """The generator whose actor mesh Monarch names ``mesh_name`` (``<spawn name>-<id>``)."""
-        spawn_name = mesh_name.rsplit("-", 1)[0]
-        for index, handle in enumerate(self.handles):
-            if handle.name == spawn_name:
-                return index
-        return None
-
-    def ignores(self, mesh_name: str) -> bool:
-        """A mesh that was replaced already (its late events change nothing), or a replacement
-        still being spawned (its failure fails the spawn, which ``_replace`` handles)."""
-        return mesh_name.rsplit("-", 1)[0] in self.retired_names | self._spawning_names
-
     def mark_lost(self, index: int, reason: str) -> None:
         """Generator ``index`` died: take it out, fail its calls, replace it (once)."""
         handle = self.handles[index]
         handle.mark_lost(reason)  # reports back through _on_handle_lost
 
     def _on_handle_lost(self, handle: GeneratorHandle, reason: str) -> None:
-        if self._closing or handle not in self.handles:
+        if self.closing or handle not in self.handles:
             return  # a handle replaced already
         index = self.handles.index(handle)
-        if index in self._replacing:
+        if self.replacing(index):
             return
         assert self.router is not None
         self.router.take_out(index)
         self._others_routed_at_loss[index] = self._others_routed(index)
-        self.num_restarts[index] += 1
         limit = self.configs[index].max_restarts
-        if self.num_restarts[index] > limit:
+        if self.num_restarts[index] >= limit:
+            self.num_restarts[index] += 1
             self.on_fatal(f"{handle.name} was lost {self.num_restarts[index]} times "
                           f"(generator.max_restarts={limit}): {reason}")
             return
-        self._replacing[index] = asyncio.create_task(self._replace(index, reason),
-                                                     name=f"replace-generator-{index}")
+        self.start_replacement(index, reason)
 
-    async def _replace(self, index: int, reason: str) -> None:
+    async def _replace(self, index: int, name: str, reason: str) -> bool:
         assert self.router is not None
         start = time.perf_counter()
         old = self.handles[index]
-        name = f"generator_{index}_r{self.num_restarts[index]}"
         new: GeneratorHandle | None = None
         try:
-            self.retired_names.add(old.name)
             try:
                 await old.close(timeout_s=STOP_TIMEOUT_S)
                 if old.procs is None:  # a proc of the shared mesh: its actor must not linger
                     await asyncio.wait_for(old.actors.stop(), STOP_TIMEOUT_S)
             except Exception as e:  # a dead mesh may not stop cleanly: it is gone either way
                 logger.warning("stopping lost %s: %r", old.name, e)
-            self._spawning_names.add(name)
             try:
                 new = await asyncio.wait_for(self._spawn(index, name), SPAWN_TIMEOUT_S)
                 async with self._push_lock:  # not while the loop pushes: one version, once
@@ -328,24 +308,21 @@ class GeneratorPool:
                     await asyncio.gather(new.close(timeout_s=STOP_TIMEOUT_S),
                                          return_exceptions=True)
                 raise
-            finally:
-                self._spawning_names.discard(name)
             assert new is not None
             self.router.put_back(index, new)
         except Exception as e:
             logger.warning("replacing %s failed", old.name, exc_info=True)
-            if not self._closing:  # else the run is over and closed the trainer under it
+            if not self.closing:  # else the run is over and closed the trainer under it
                 # The loss was logged whole when it happened; the line keeps room for the cause.
                 lost = short_report(reason, LOST_REASON_CHARS)
                 self.on_fatal(f"replacing {old.name} (lost: {lost}) failed: {e!r}")
-            return
-        finally:
-            self._replacing.pop(index, None)
+            return False
         self.last_recovery_s = time.perf_counter() - start
         self._served_by_others += (self._others_routed(index)
                                    - self._others_routed_at_loss.pop(index))
         logger.warning("%s replaced by %s (policy v%d) in %.1f s", old.name, name,
                        self.policy_version, self.last_recovery_s)
+        return True
 
     async def _push_replacement(self, new: GeneratorHandle, version: int) -> None:
         """The current version into a replacement (not serving yet): shared memory, or a relay
@@ -385,11 +362,8 @@ class GeneratorPool:
         return metrics
 
     async def close(self) -> None:
-        self._closing = True
-        for task in self._replacing.values():
-            task.cancel()
-        results = await asyncio.gather(*self._replacing.values(),
-                                       *(h.close(timeout_s=STOP_TIMEOUT_S) for h in self.handles),
+        await self.stop_replacing()
+        results = await asyncio.gather(*(h.close(timeout_s=STOP_TIMEOUT_S) for h in self.handles),
                                        return_exceptions=True)
         if self.shared_procs is not None:  # once its generators have closed
             results += await asyncio.gather(

@@ -46,8 +46,7 @@ from torchtitan_rl.controller.loop.data_cursor import DataCursor
 from torchtitan_rl.controller.loop.idle_ratios import IdleRatios
 from torchtitan_rl.controller.loop.staleness import StalenessGate
 from torchtitan_rl.controller.loop.validation import Validator
-from torchtitan_rl.controller.rollout_workers.link import RolloutWorkerLostError
-from torchtitan_rl.controller.rollout_workers.pool import RolloutWorkerPool
+from torchtitan_rl.controller.rollout_workers.pool import RolloutWorkerLostError, RolloutWorkerPool
 from torchtitan_rl.controller.supervision import RunFailedError
 from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.generator import GeneratorLostError

@@ -6,9 +6,9 @@ generators, hand each admitted group to the least loaded one, mirror the router 
                 gets) -> RolloutWorker(spec, [GeneratorRef of every generator])
                 -> ready() (its pid; a worker that cannot build its parts fails the start)
                 -> router.add_mirror(pool): set_syncing / take_out / put_back reach every worker
-    run_group:  WorkerAssigner.acquire() -> WorkerLink.run_group (link.py: the groups
-                assigned to a worker in one event-loop turn leave in one message, come back in
-                batches on one reply port) -> GroupOutcome
+    run_group:  WorkerAssigner.acquire() -> the worker's BatchedCaller (batched_calls.py: the
+                groups assigned to a worker in one event-loop turn leave in one message, come
+                back in batches on one reply port) -> GroupOutcome
                 (lost_reason set -> GeneratorLostError here, as the in-process path raises it;
                 the caller cancelled -> worker.cancel_group(key))
     a worker's proc dies -> MeshFailureWatch -> mark_lost(i): its groups raise
@@ -31,19 +31,17 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from torchtitan_rl.batched_calls import BatchedCaller, MessageCounts, open_channel
 from torchtitan_rl.controller.hosts.placement import RunHosts
 from torchtitan_rl.controller.hosts.shared_procs import spawn_shared_procs
-from torchtitan_rl.controller.rollout_workers.link import (
-    MessageCounts,
-    WorkerLink,
-    open_monarch_channel,
-)
 from torchtitan_rl.controller.rollout_workers.worker import (
     GeneratorRef,
+    GroupAssignment,
     GroupOutcome,
     RolloutWorker,
     RolloutWorkerSpec,
 )
+from torchtitan_rl.controller.supervision import ReplaceableMeshes
 from torchtitan_rl.generator import GeneratorHandle, GeneratorLostError
 from torchtitan_rl.generator.router import BusyClock
 from torchtitan_rl.types import GenerateFn, Sampling
@@ -52,6 +50,10 @@ logger = logging.getLogger(__name__)
 
 SPAWN_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 60.0
+
+
+class RolloutWorkerLostError(RuntimeError):
+    """A rollout worker's process died under a group: the group restarts whole on another."""
 
 
 class WorkerAssigner:
@@ -81,16 +83,17 @@ class WorkerAssigner:
         assert 0 <= self.in_flight[index] <= self.num_assigned[index], (index, self.in_flight)
 
 
-class RolloutWorkerPool:
+class RolloutWorkerPool(ReplaceableMeshes):
     def __init__(self, workers: list[tuple[Any, Any]], *, num_generators: int,
                  busy_clock: BusyClock | None = None,
                  respawn: Callable[[int, str], Awaitable[tuple[Any, Any]]] | None = None,
                  on_fatal: Callable[[str], None] | None = None,
-                 open_channel: Callable[[], tuple[Any, Any]] = open_monarch_channel) -> None:
+                 open_channel: Callable[[], tuple[Any, Any]] = open_channel) -> None:
         """``workers``: (what stops it: its proc mesh, or its actor mesh on the shared proc
         mesh; RolloutWorker actor mesh) each, spawned as ``rollout_worker_<i>``; ``respawn(i,
         name)``: a replacement for worker ``i`` (None: a lost worker fails the run through
         ``on_fatal``); ``open_channel``: a (port, receiver) pair for a worker's outcomes."""
+        super().__init__("rollout_worker", len(workers))
         self.workers = workers
         self.assigner = WorkerAssigner(len(workers))
         self.busy_clock = busy_clock or BusyClock()
@@ -100,19 +103,17 @@ class RolloutWorkerPool:
         """Each worker's cumulative resumed requests (partial rollouts), likewise."""
         self._respawn = respawn
         self._on_fatal = on_fatal
-        self.names = [f"rollout_worker_{i}" for i in range(len(workers))]
-        """Each worker's current spawn name (Monarch names its mesh ``<name>-<id>``)."""
-        self.retired_names: set[str] = set()
-        self.num_replaced = 0
         self._open_channel = open_channel
         self.shared_procs: Any = None
         """The first workers' one proc mesh (shared_procs.py; None: a mesh each); stopped at
         close, once they have closed."""
         self.messages = MessageCounts()
-        self._links: list[WorkerLink | None] = [None] * len(workers)
-        """How each worker (this incarnation) is called; made on first use."""
+        self._links: list[BatchedCaller[dict[str, Any], GroupOutcome] | None] = (
+            [None] * len(workers))
+        """How each worker (this incarnation) is called: the groups assigned to it in one
+        event-loop turn leave in one one-way ``run_groups`` message, outcomes come back in
+        batches on one reply port (batched_calls.py); made on first use."""
         self._changed: asyncio.Condition | None = None
-        self._replacements: set[asyncio.Task[None]] = set()
         # The router's state a replacement must start from (RouterMirror below).
         self._generators: list[GeneratorRef] = []
         self._out: set[int] = set()
@@ -172,8 +173,9 @@ class RolloutWorkerPool:
         index = await self._acquire()
         self.busy_clock.enter()
         try:
-            outcome = await self._link(index).run_group(group_id, prompt_index, group_size,
-                                                        sampling, attempt)
+            outcome = await self._link(index).call(dict(
+                group_id=group_id, prompt_index=prompt_index, group_size=group_size,
+                sampling=sampling, attempt=attempt))
         finally:
             self.busy_clock.exit()
             self.assigner.release(index)
@@ -185,12 +187,21 @@ class RolloutWorkerPool:
             raise GeneratorLostError(outcome.lost_reason)
         return outcome
 
-    def _link(self, index: int) -> WorkerLink:
+    def _link(self, index: int) -> BatchedCaller[dict[str, Any], GroupOutcome]:
         link = self._links[index]
         if link is None:  # made in the event loop, on first use
-            link = self._links[index] = WorkerLink(
-                self.workers[index][1], self._open_channel,
-                on_port_failed=functools.partial(self.mark_lost, index), messages=self.messages)
+            actor = self.workers[index][1]
+
+            def run_groups(batch: list[tuple[int, dict[str, Any]]], replies: Any) -> None:
+                actor.run_groups.broadcast(
+                    [GroupAssignment(key=key, **fields) for key, fields in batch], replies)
+
+            link = self._links[index] = BatchedCaller(
+                send=run_groups, unpack=lambda outcome: (outcome.key, outcome, None),
+                # The caller gave the group up: the worker stops generating for it.
+                cancel=lambda key, _: actor.cancel_group.broadcast(key),
+                on_port_failed=functools.partial(self.mark_lost, index), counts=self.messages,
+                open_port=self._open_channel)
         return link
 
     async def _acquire(self) -> int:
@@ -206,14 +217,6 @@ class RolloutWorkerPool:
         return self._changed
 
     # ---- losses (controller/supervision.py's MeshFailureWatch calls these) ---------------------
-    def index_of_mesh(self, mesh_name: str) -> int | None:
-        spawn_name = mesh_name.rsplit("-", 1)[0]
-        return self.names.index(spawn_name) if spawn_name in self.names else None
-
-    def ignores(self, mesh_name: str) -> bool:
-        """A worker replaced already: its late events change nothing."""
-        return mesh_name.rsplit("-", 1)[0] in self.retired_names
-
     def mark_lost(self, index: int, reason: str) -> None:
         """Worker ``index`` died: its groups fail here (they restart whole on the others), no
         group goes to it, a replacement is spawned on its host (once)."""
@@ -221,29 +224,24 @@ class RolloutWorkerPool:
             return
         logger.warning("rollout worker %d lost: %s", index, reason)
         self.assigner.down.add(index)
-        self.retired_names.add(self.names[index])
         link = self._links[index]
         if link is not None:
-            link.fail(f"rollout worker {index} was lost: {reason}")
+            link.fail(lambda: RolloutWorkerLostError(f"rollout worker {index} was lost: {reason}"))
         if self._respawn is None:
             if self._on_fatal is not None:
                 self._on_fatal(f"rollout worker {index} was lost: {reason}")
             return
-        task = asyncio.ensure_future(self._replace(index))
-        self._replacements.add(task)
-        task.add_done_callback(self._replacements.discard)
+        self.start_replacement(index, reason)
 
-    async def _replace(self, index: int) -> None:
+    async def _replace(self, index: int, name: str, reason: str) -> bool:
         assert self._respawn is not None
         old_stops = self.workers[index][0]
-        self.num_replaced += 1
-        name = f"rollout_worker_{index}_r{self.num_replaced}"
         try:
             procs, actor = await self._respawn(index, name)
         except Exception as e:
             if self._on_fatal is not None:
                 self._on_fatal(f"rollout worker {index} could not be replaced: {e}")
-            return
+            return False
         finally:
             await asyncio.gather(asyncio.wait_for(old_stops.stop(), STOP_TIMEOUT_S),
                                  return_exceptions=True)
@@ -253,12 +251,12 @@ class RolloutWorkerPool:
         if self._syncing:
             actor.set_syncing.broadcast(sorted(self._syncing), True)
         self.workers[index] = (procs, actor)
-        self.names[index] = name
         self._links[index] = None
         self.assigner.down.discard(index)
         logger.info("rollout worker %d replaced (%s)", index, name)
         async with self._workers_changed():
             self._workers_changed().notify_all()
+        return True
 
     # ---- RouterMirror (generator/router.py): the workers' routers follow the controller's ----
     def set_syncing(self, indices: list[int], syncing: bool) -> None:
@@ -291,18 +289,16 @@ class RolloutWorkerPool:
         if controller_resumed is not None:
             metrics["generator/num_resumed_requests"] = float(
                 controller_resumed + sum(self._num_resumed))
-        metrics["rollout/workers_replaced"] = float(self.num_replaced)
+        metrics["rollout/workers_replaced"] = float(sum(self.num_restarts))
         metrics["rollout/worker_group_messages"] = float(self.messages.num_sent)
         metrics["rollout/worker_outcome_messages"] = float(self.messages.num_received)
         return metrics
 
     async def close(self) -> None:
-        for task in list(self._replacements):
-            task.cancel()
         for link in self._links:
             if link is not None:
-                link.fail("the pool closed")
-        await asyncio.gather(*self._replacements, return_exceptions=True)
+                link.fail(lambda: RolloutWorkerLostError("the pool closed"))
+        await self.stop_replacing()
 
         async def close_one(stops: Any, actor: Any) -> None:
             try:

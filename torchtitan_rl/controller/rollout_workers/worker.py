@@ -35,6 +35,7 @@ from typing import Any
 from monarch.actor import Actor, Port, concurrent_endpoint
 
 from torchtitan_rl.assets.tokenizer import load_tokenizer
+from torchtitan_rl.batched_calls import ReplyBatcher
 from torchtitan_rl.console import configure_process_logging
 from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.generator import Generator, GeneratorHandle, GeneratorLostError
@@ -110,6 +111,13 @@ class GroupOutcome:
     """Requests this worker has resumed after a pull aborted them so far (partial rollouts)."""
 
 
+def _error_as_text(outcome: GroupOutcome) -> GroupOutcome:
+    if outcome.error is None:
+        return outcome
+    return dataclasses.replace(outcome, error=RuntimeError(
+        f"{type(outcome.error).__name__}: {outcome.error}"))
+
+
 class RolloutWorker(Actor):
     def __init__(self, spec: RolloutWorkerSpec, generators: list[GeneratorRef],
                  first_of_pool: bool = False) -> None:
@@ -131,8 +139,7 @@ class RolloutWorker(Actor):
         """Groups rolling out here, by the controller's key for them."""
         self._replies: Port[list[GroupOutcome]] | None = None
         """The controller's reply port (one per worker: a replacement is a new worker)."""
-        self._unsent: list[GroupOutcome] = []
-        self._send_timer: asyncio.Handle | None = None
+        self._outcomes: ReplyBatcher[GroupOutcome] = ReplyBatcher(_error_as_text)
 
     def _borrow(self, ref: GeneratorRef) -> GeneratorHandle:
         return GeneratorHandle(procs=None, actors=ref.actors, config=ref.config, name=ref.name,
@@ -205,26 +212,9 @@ class RolloutWorker(Actor):
         outcome = None if task.cancelled() else task.result()
         if outcome is None:
             return
-        self._unsent.append(outcome)
-        loop = asyncio.get_running_loop()
-        interval = self.spec.rollouter.worker_outcome_interval_s
-        if not self._groups or interval == 0:
-            if self._send_timer is not None:
-                self._send_timer.cancel()
-            self._send_timer = loop.call_soon(self._send_outcomes)
-        elif self._send_timer is None:
-            self._send_timer = loop.call_later(interval, self._send_outcomes)
-
-    def _send_outcomes(self) -> None:
-        batch, self._unsent, self._send_timer = self._unsent, [], None
         assert self._replies is not None, "outcomes come only from run_groups"
-        try:
-            self._replies.send(batch)
-        except Exception:  # an error that does not pickle still reaches the controller
-            logger.warning("group outcomes did not pickle: errors sent as text", exc_info=True)
-            self._replies.send([dataclasses.replace(o, error=RuntimeError(
-                f"{type(o.error).__name__}: {o.error}")) if o.error is not None else o
-                for o in batch])
+        interval = self.spec.rollouter.worker_outcome_interval_s
+        self._outcomes.add(self._replies, outcome, within_s=interval if self._groups else 0.0)
 
     def _num_resumed(self) -> int:
         fn = self.generate_fn
