@@ -171,6 +171,12 @@ class SourceIndex:
                 if isinstance(stmt, ast.ClassDef) and stmt.name == attr:
                     return SourceClass(module=base.module, node=stmt,
                                        qualname=f"{base.qualname}.{attr}", owner=base)
+                target, value = _assigned(stmt)
+                if target == attr and isinstance(value, (ast.Name, ast.Attribute)):
+                    # ``Config = GeneratorConfig``: a Config defined elsewhere, owned here
+                    named = self.resolve(base.module, value)
+                    if isinstance(named, SourceClass):
+                        return dataclasses.replace(named, owner=base)
             return ("member", base, attr)  # an enum member or a class attribute
         raise SourceSchemaError(f"cannot take .{attr} of {base!r}")
 

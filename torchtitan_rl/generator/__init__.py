@@ -13,8 +13,7 @@ its actor mesh (``handle.actors``). How pulled weights reach vLLM: torchtitan_rl
 
 from torchtitan_rl.generator.client import GeneratorHandle, GeneratorLostError, spawn_generator
 from torchtitan_rl.generator.config import WeightSyncPolicy
-from torchtitan_rl.generator.engine_loop import EngineLoop, StepStats
-from torchtitan_rl.generator.engine_start import start_engine_loop
+from torchtitan_rl.generator.engine_loop import EngineLoop, StepStats, start_engine_loop
 from torchtitan_rl.generator.generator import Generator
 from torchtitan_rl.generator.loop_decision import LoopAction, LoopDecision, LoopInbox
 

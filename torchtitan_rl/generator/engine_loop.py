@@ -1,5 +1,9 @@
 """One rank's engine loop over one vLLM ``LLMEngine`` (plain class: no actor, testable in-process).
 
+    start_engine_loop(config): engine thread -> the engine (vLLM, the stand-in, or an import
+        path's builder) -> WeightPuller (load "auto" resolved here) .setup -> gloo decision group
+        (TP > 1) -> EngineLoop(...).start() on the running event loop: the one code path of the
+        Generator actor, tests, benchmarks and torchrun launches
     rank 0: generate(request)/pull/abort/close -> LoopInbox -> decide() -> LoopDecision
     every rank: decision --DecisionChannel (gloo, engine thread)--> same decision on every rank
     every rank: apply it in the engine thread: add + burst of <= K engine.step() | pull | abort
@@ -13,6 +17,22 @@ between two engine steps and label later tokens with the new policy version.
 Every engine call (and the gloo broadcast) runs in one engine thread per rank, in the same order
 on every rank, so the asyncio event loop stays free to accept calls while the engine steps. With
 nothing to do rank 0 awaits an event (no spinning); peers wait inside the broadcast.
+
+The calls in flight (every future resolves exactly once; a late output for a request that was
+failed or cancelled is dropped instead of raising in the engine loop):
+
+    PendingRequests (rank 0):
+    EngineLoop.generate()       -> add()                 (a future the caller awaits)
+    admitted into vLLM          -> mark_admitted() | fail()
+    finished or aborted output  -> resolve_output()      (Completion with its timings)
+    aborted while still queued  -> resolve_unstarted_abort()
+    loop failed or closed       -> fail_all()
+
+    PendingPulls (every rank; the pull call and rank 0's PULL decision arrive in either order):
+    EngineLoop.pull_model_state_dict() -> check_new(), deliver(prepared weights) -> await done
+    EngineLoop.weights_staged()        -> entry().staging.advance()   (a streamed push)
+    the loop's PULL decision           -> entry() -> await its weights -> apply -> finish(load_s)
+    loop failed or closed              -> fail_all()
 
 Failure: any exception in the loop fails every outstanding future (generate, pull, abort) with
 that exception, and rank 0 tells peer ranks to stop; later calls raise at once. ``close()`` fails
@@ -33,7 +53,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torchtitan_rl.generator.config import WeightSyncPolicy
+import torch
+import torch.distributed as dist
+
+from torchtitan_rl.generator.config import GeneratorConfig, WeightSyncPolicy
 from torchtitan_rl.generator.loop_decision import (
     DecisionChannel,
     EngineRequest,
@@ -41,15 +64,17 @@ from torchtitan_rl.generator.loop_decision import (
     LoopDecision,
     LoopInbox,
 )
-from torchtitan_rl.generator.pending_requests import PendingPulls, PendingRequests
 from torchtitan_rl.generator.vllm_engine import (
     abort_with_outputs,
     add_requests,
+    completion_from_output,
+    empty_abort_completion,
     finished_outputs_of_step,
+    first_token_latency_s,
 )
-from torchtitan_rl.types import Completion, GenerateRequest, Sampling
+from torchtitan_rl.types import Completion, CompletionMetrics, GenerateRequest, Sampling
 from torchtitan_rl.weight_sync.pull import WeightPuller
-from torchtitan_rl.weight_sync.shared_memory import StagedWeights
+from torchtitan_rl.weight_sync.shared_memory import StagedWeights, StagingProgress
 
 logger = logging.getLogger(__name__)
 
@@ -442,3 +467,204 @@ class EngineLoop:
         # that must not keep this process alive or block the futures failed above.
         threading.Thread(target=self.channel.exchange, args=(decision,), daemon=True).start()
 
+
+# ---- building and starting one ------------------------------------------------------------------
+async def start_engine_loop(
+    config: GeneratorConfig,
+    *,
+    on_step: Callable[[StepStats], None] | None = None,
+    wrap_engine: Callable[[Any], Any] | None = None,
+) -> EngineLoop:
+    """Build this rank's engine in a fresh engine thread and start its loop on the running event
+    loop: the one code path of the actor, tests, benchmarks and torchrun launches.
+
+    With tensor_parallel_degree > 1 every rank calls this at the same time, with the torch
+    elastic env set (WORLD_SIZE == tensor_parallel_degree). ``wrap_engine`` wraps the built
+    engine (tests inject faults with it)."""
+    from torchtitan_rl.weight_sync.pull import is_cpu_platform
+
+    tp = config.tensor_parallel_degree
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if tp > 1 and world != tp:
+        raise RuntimeError(
+            f"tensor_parallel_degree={tp} needs WORLD_SIZE={tp} in the environment (torch "
+            f"elastic env, e.g. monarch.spmd.setup_torch_elastic_env), got WORLD_SIZE={world}"
+        )
+    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+    loop = asyncio.get_running_loop()
+    engine = await loop.run_in_executor(executor, _build_engine_in_thread, config)
+    # The stand-in holds plain tensors, and asking vLLM's platform would import vLLM.
+    vllm_cpu_kernels = config.engine != "stand_in" and is_cpu_platform()
+    load = config.weight_sync.load
+    if load == "auto":  # the fast path where vLLM's CPU layout allows it
+        load = "in_place" if (config.engine == "vllm" and tp == 1 and config.enforce_eager
+                              and vllm_cpu_kernels) else "reload"
+        logger.info("weight_sync.load='auto': %s", load)
+    puller = WeightPuller(config.model_dir, load=load,  # type: ignore[arg-type]
+                          repack_cpu_linears=config.weight_sync.repack_cpu_linears,
+                          vllm_cpu_kernels=vllm_cpu_kernels)
+    await loop.run_in_executor(executor, puller.setup, engine)
+    channel = None
+    if tp > 1:
+        # After the engine: vLLM has initialised the default process group by now.
+        channel = await loop.run_in_executor(executor, DecisionChannel.new_gloo_group)
+    engine_loop = EngineLoop(
+        wrap_engine(engine) if wrap_engine is not None else engine,
+        puller=puller,
+        weight_sync=config.weight_sync,
+        max_engine_steps_between_decisions=config.max_engine_steps_between_decisions,
+        default_sampling=config.sampling,
+        initial_policy_version=config.initial_policy_version,
+        channel=channel,
+        executor=executor,
+        on_step=on_step,
+    )
+    engine_loop.start()
+    return engine_loop
+
+
+def _build_engine_in_thread(config: GeneratorConfig) -> Any:
+    from torchtitan_rl.generator.vllm_engine import engine_builder
+
+    threads = config.torch_num_threads
+    if threads is None and config.tensor_parallel_degree > 1:
+        threads = 1
+    if threads is not None:
+        torch.set_num_threads(threads)
+    engine = engine_builder(config.engine)(config)
+    if config.tensor_parallel_degree > 1:
+        assert dist.is_initialized(), "vLLM's external_launcher left no default process group"
+    return engine
+
+
+# ---- the calls in flight -------------------------------------------------------------------------
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    request: EngineRequest
+    future: asyncio.Future[Completion]
+    submitted_at: float
+    admitted_at: float | None = None
+
+
+class PendingRequests:
+    def __init__(self) -> None:
+        self._entries: dict[str, _Pending] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, request: EngineRequest) -> asyncio.Future[Completion]:
+        future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
+        self._entries[request.request_id] = _Pending(request, future, submitted_at=time.monotonic())
+        return future
+
+    def future(self, request_id: str) -> asyncio.Future[Completion] | None:
+        entry = self._entries.get(request_id)
+        return entry.future if entry is not None else None
+
+    def mark_admitted(self, request_id: str, now: float) -> None:
+        if (entry := self._entries.get(request_id)) is not None:
+            entry.admitted_at = now
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        if (entry := self._entries.pop(request_id, None)) is not None:
+            fail_future(entry.future, error)
+
+    def resolve_unstarted_abort(self, request: EngineRequest) -> None:
+        """An abort that caught the request before vLLM saw it: no tokens, queue time only."""
+        entry = self._entries.pop(request.request_id)
+        metrics = CompletionMetrics(queue_time_s=time.monotonic() - entry.submitted_at)
+        resolve_future(entry.future, empty_abort_completion(request, metrics))
+
+    def resolve_output(self, output: Any, num_in_engine: int) -> None:
+        """A vLLM output that finished (or was aborted) -> the caller's Completion."""
+        entry = self._entries.pop(output.request_id, None)
+        if entry is None:
+            return
+        now = time.monotonic()
+        admitted_at = entry.admitted_at if entry.admitted_at is not None else now
+        metrics = CompletionMetrics(
+            queue_time_s=admitted_at - entry.submitted_at,
+            time_to_first_token_s=first_token_latency_s(output),
+            generation_time_s=now - admitted_at,
+            num_cached_prompt_tokens=output.num_cached_tokens or 0,
+            num_inflight_requests=num_in_engine,
+        )
+        try:
+            completion = completion_from_output(entry.request, output, metrics)
+        except Exception as exc:
+            fail_future(entry.future, exc)
+            return
+        resolve_future(entry.future, completion)
+
+    def fail_all(self, error: BaseException) -> None:
+        entries, self._entries = self._entries, {}
+        for entry in entries.values():
+            fail_future(entry.future, error)
+
+
+@dataclasses.dataclass(slots=True)
+class _Pull:
+    """One rank's pull of one policy version."""
+
+    weights: asyncio.Future[Any]
+    """The prepared weights (set by the pull call)."""
+    done: asyncio.Future[float]
+    """Set by the loop once applied: the seconds the apply took."""
+    staging: StagingProgress = dataclasses.field(default_factory=StagingProgress)
+    """A streamed push's progress (its ``weights_staged`` messages may come first)."""
+
+
+class PendingPulls:
+    def __init__(self) -> None:
+        self._pulls: dict[int, _Pull] = {}
+
+    def check_new(self, version: int, current_version: int) -> None:
+        """Refuse a second call for one version, and versions not above the newest loaded or
+        received (a PULL decision seen first on a peer rank is not a received pull)."""
+        pull = self._pulls.get(version)
+        if pull is not None and pull.weights.done():
+            raise ValueError(f"a pull of version {version} is already pending")
+        received = [v for v, p in self._pulls.items() if p.weights.done()]
+        latest = max([current_version, *received])
+        if pull is None and version <= latest:
+            raise ValueError(
+                f"pull version must be > {latest} (the newest version loaded or pending), "
+                f"got {version}"
+            )
+
+    def entry(self, version: int) -> _Pull:
+        if (pull := self._pulls.get(version)) is None:
+            loop = asyncio.get_running_loop()
+            pull = self._pulls[version] = _Pull(loop.create_future(), loop.create_future())
+        return pull
+
+    def deliver(self, version: int, weights: Any) -> asyncio.Future[float]:
+        pull = self.entry(version)
+        pull.weights.set_result(weights)
+        return pull.done
+
+    def finish(self, version: int, apply_s: float) -> None:
+        resolve_future(self._pulls.pop(version).done, apply_s)
+
+    def __len__(self) -> int:
+        """Pulls received or announced and not applied yet."""
+        return len(self._pulls)
+
+    def fail_all(self, error: BaseException) -> None:
+        pulls, self._pulls = self._pulls, {}
+        for pull in pulls.values():
+            pull.staging.fail(error)
+            fail_future(pull.done, error)
+
+
+def resolve_future(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def fail_future(future: asyncio.Future[Any], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+        # Mark it retrieved: nobody may be awaiting (a pull future on a peer rank, a cancelled call).
+        future.exception()

@@ -18,7 +18,7 @@
 
 Use it through `spawn_generator` / `GeneratorHandle` (generator/client.py), which call the endpoints with the
 right fan-out. Without Monarch (tests, benchmarks, a torchrun launch) `start_engine_loop(config)`
-(engine_start.py) builds the same `EngineLoop` in-process.
+(engine_loop.py: start_engine_loop) builds the same `EngineLoop` in-process.
 
 Invariants: rank 0 alone decides; every rank applies the same decisions in the same order; every
 engine call of a rank runs in that rank's one engine thread; every future resolves or fails.
@@ -33,7 +33,7 @@ import functools
 import logging
 import os
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from monarch.actor import Actor, Port, concurrent_endpoint, current_rank
@@ -42,11 +42,10 @@ from torchtitan_rl.batched_calls import ReplyBatcher
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.console import configure_process_logging
 from torchtitan_rl.faults import maybe_kill
-from torchtitan_rl.generator.config import WeightSyncPolicy
-from torchtitan_rl.generator.engine_loop import EngineLoop
-from torchtitan_rl.generator.engine_start import start_engine_loop
+from torchtitan_rl.generator.config import GeneratorConfig
+from torchtitan_rl.generator.engine_loop import EngineLoop, start_engine_loop
 from torchtitan_rl.generator.vllm_engine import unlink_cpu_tp_segments
-from torchtitan_rl.types import Completion, GenerateRequest, Sampling
+from torchtitan_rl.types import Completion, GenerateRequest
 from torchtitan_rl.weight_sync.relay import RelayChunk, RelayNode
 from torchtitan_rl.weight_sync.shared_memory import SharedMemoryStager, machine_id
 
@@ -63,106 +62,7 @@ def _error_as_text(outcome: GenerateOutcome) -> GenerateOutcome:
 
 
 class Generator(Actor, Configurable):
-    @dataclasses.dataclass(kw_only=True, slots=True)
-    class Config(Configurable.Config):
-        model_dir: str | None = None
-        """HF model directory (config.json, safetensors, tokenizer). None: the controller fills it
-        from the job's model source before spawning."""
-        dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-        """Engine dtype. float32: generator logprobs within ~1e-6 of the trainer's on CPU.
-        bfloat16, float16: half the memory, logprobs further from the trainer's. auto: vLLM's
-        choice from the model's config.json."""
-        tensor_parallel_degree: int = 1
-        """Ranks (processes) per generator; > 1 uses vLLM's external_launcher backend."""
-        max_model_len: int = 2048
-        """Most tokens (prompt + output) per request."""
-        max_num_seqs: int = 256
-        """Most requests vLLM schedules in one step."""
-        kv_cache_bytes: int = 256 << 20
-        """KV cache size per rank, in bytes."""
-        enforce_eager: bool = True
-        """No CUDA graphs / torch.compile. False works on vLLM's CPU build too (a ~21 s first
-        compile, then cached), but gained only 3-4 % per decode step on ``demo``, and the in-place
-        weight pull needs eager modules."""
-        enable_prefix_caching: bool = True
-        """Reuse KV of shared prompt prefixes (multi-turn sessions)."""
-        block_size: int | None = 32
-        """Tokens per KV cache block; the prefix cache reuses whole blocks only, so a next turn
-        recomputes up to ``block_size - 1`` tokens of its history. None: vLLM's platform default,
-        128 on CPU, where histories under 128 tokens were never reused (``bench/async_vs_sync.py``
-        prefilled twice the tokens). vLLM's CPU attention needs a multiple of 32."""
-        max_engine_steps_between_decisions: int = 16
-        """Engine steps per burst before rank 0 decides again (admits new requests, pulls,
-        aborts). Higher: fewer broadcasts and prefill interruptions; lower: faster admission."""
-        weight_sync: WeightSyncPolicy = dataclasses.field(default_factory=WeightSyncPolicy)
-        sampling: Sampling = dataclasses.field(default_factory=Sampling)
-        """Sampling for generate() calls that pass none. Unused in a job: every request a job
-        sends carries the job's `sampling` (validation with validation.temperature), so a job
-        refuses values here other than the defaults."""
-        seed: int = 0
-        """Engine seed (requests without Sampling.seed draw from it)."""
-        initial_policy_version: int = 0
-        """Policy version of the weights in model_dir."""
-        max_restarts: int = 3
-        """In a job: how often this generator may be replaced after its process died (each
-        replacement is a new mesh on the same host with the current weights); once more fails
-        the run. 0: a lost generator fails the run."""
-        engine: str = "vllm"
-        """Which engine each rank builds. "vllm": vLLM's ``LLMEngine`` (vllm_engine.py).
-        "stand_in": no model compute, replies of seeded random tokens at
-        ``stand_in_tokens_per_s``, every pushed weight byte still loaded (stand_in_engine.py;
-        scale benchmarks: bench/scale.py; tensor_parallel_degree 1, weight_sync.load reload).
-        Or an import path "package.module:function" of a ``(Generator.Config) -> engine``
-        builder with the same engine API."""
-        stand_in_tokens_per_s: float = 2000.0
-        """engine = "stand_in": output tokens per second of the whole engine (each step emits one
-        token per running request and sleeps as long as this rate allows)."""
-        torch_num_threads: int | None = None
-        """torch threads per rank, set before the engine is built (vLLM's CPU worker forbids
-        changing it afterwards). None: torch's default with one rank, 1 per rank when
-        tensor_parallel_degree > 1 (the ranks share the cores)."""
-
-        def __post_init__(self) -> None:
-            if self.tensor_parallel_degree < 1:
-                raise ValueError(
-                    f"tensor_parallel_degree must be >= 1, got {self.tensor_parallel_degree}"
-                )
-            for name in ("max_model_len", "max_num_seqs", "kv_cache_bytes",
-                         "max_engine_steps_between_decisions"):
-                if getattr(self, name) < 1:
-                    raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-            if self.block_size is not None and self.block_size < 1:
-                raise ValueError(f"block_size must be >= 1 or None, got {self.block_size}")
-            if self.max_restarts < 0:
-                raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
-            if self.torch_num_threads is not None and self.torch_num_threads < 1:
-                raise ValueError(
-                    f"torch_num_threads must be >= 1 or None, got {self.torch_num_threads}"
-                )
-            if self.initial_policy_version < 0:
-                raise ValueError(
-                    f"initial_policy_version must be >= 0, got {self.initial_policy_version}"
-                )
-            if self.engine not in ("vllm", "stand_in") and ":" not in self.engine:
-                raise ValueError(f"engine must be 'vllm', 'stand_in' or 'package.module:function',"
-                                 f" got {self.engine!r}")
-            if self.stand_in_tokens_per_s <= 0:
-                raise ValueError(
-                    f"stand_in_tokens_per_s must be > 0, got {self.stand_in_tokens_per_s}")
-            if self.engine != "vllm" and (self.tensor_parallel_degree, self.weight_sync.load) \
-                    not in ((1, "auto"), (1, "reload")):
-                raise ValueError(f"engine={self.engine!r} needs tensor_parallel_degree=1, "
-                                 f"weight_sync.load 'auto' or 'reload', got "
-                                 f"{self.tensor_parallel_degree}, {self.weight_sync.load!r}")
-            if self.weight_sync.load == "in_place" and (
-                    self.tensor_parallel_degree != 1 or not self.enforce_eager):
-                # The CPU platform itself is checked at start (WeightPuller.setup).
-                raise ValueError(
-                    "weight_sync.load='in_place' needs tensor_parallel_degree=1 and "
-                    "enforce_eager=True on a CPU engine, got tensor_parallel_degree="
-                    f"{self.tensor_parallel_degree} enforce_eager={self.enforce_eager}: use "
-                    "weight_sync.load='reload'"
-                )
+    Config = GeneratorConfig
 
     def __init__(self, config: Config) -> None:
         configure_process_logging()  # this proc's log lines to the run's log file, vLLM quiet
