@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import torch
 
+from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.weight_sync.pull import weight_mismatches
 from torchtitan_rl.weight_sync.shared_memory import SharedMemoryStager, SharedTensorRef
 
@@ -41,6 +42,28 @@ logger = logging.getLogger(__name__)
 
 WeightTransport = Literal["message", "shared_memory"]
 WEIGHT_TRANSPORTS: tuple[WeightTransport, ...] = ("message", "shared_memory")
+
+
+
+def choose_transport(setting: str, *, generator: str, generator_machine: str,
+                     trainer_machine: str, separate_machines: bool) -> tuple[WeightTransport, str]:
+    """How pushes reach one generator, and why: ``setting`` is ``trainer.weight_transport``
+    (auto | message | shared_memory). Shared memory needs the trainer's machine; a host the
+    placement makes a machine of its own (``separate_machines``: placement.kind='process')
+    counts as another machine."""
+    same_machine = generator_machine == trainer_machine and not separate_machines
+    where = ("on the trainer's machine" if same_machine else
+             f"{generator_machine} is not the trainer's {trainer_machine}"
+             if generator_machine != trainer_machine else
+             "its host simulates another machine (placement.kind='process')")
+    if setting == "auto":
+        return ("shared_memory" if same_machine else "message"), f"auto: {where}"
+    if setting == "shared_memory" and not same_machine:
+        raise ConfigError(f"trainer.weight_transport='shared_memory' cannot reach {generator}: "
+                          f"{where}; use 'auto' or 'message'")
+    assert setting in WEIGHT_TRANSPORTS, setting
+    return setting, "trainer.weight_transport"  # type: ignore[return-value]
+
 
 PullTimings = dict[str, float]
 """What one generator rank reports for a pull: ``convert_s`` (names and checks) and ``load_s``

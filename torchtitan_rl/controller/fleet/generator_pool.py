@@ -3,21 +3,16 @@
     spawn:   spawn_generator_procs (shared_procs.py: one proc mesh over the generators' hosts,
              one proc a generator, or a mesh each) -> plan.generators[i] -> spawn_generator(
              name="generator_i", its proc or its placement host) -> GeneratorHandle; its weight
-             transport (shared memory on the trainer's machine, else the message; logged once);
+             transport (weight_sync.push.choose_transport; logged once);
              a GeneratorRouter over them (wrapped in a ResumingGenerateFn with partial
              rollouts) is the GenerateFn the rollouts call
-    push_weights(version): generators on the trainer's machine one at a time (the router keeps
-             new sessions off it): trainer.push_full_weights(generator, version) (shared memory);
-             the others at once: trainer.relay_weights(chain, version, attempt) (every trainer
-             rank sends its shards to chain[0], each generator forwards to the next,
-             weight_sync/relay.py), then wait_weights(version, attempt) on each, raced against
-             its loss; a loss mid-relay: mark_lost, and the survivors after it in the chain get
-             attempt + 1 on a chain without it. Each generator done: with partial rollouts,
-             abort its running requests; verify_weight_push: trainer.verify_weights
+    push_weights(version): WeightPush(trainer, router).run(every serving generator, version)
+             (fleet/weight_push.py: shared memory on the trainer's machine, the relay elsewhere;
+             choose_transport in weight_sync/push.py picked each generator's at spawn)
     rewind(version): the trainer was restored to an older version (job.py): every generator
              aborts its requests and takes that version as its next pull
     loss:    a handle's call fails with Monarch's supervision error, or Monarch's fault hook names
-             the mesh (supervision.py) -> lost(i):
+             the mesh (supervision.py: ReplaceableMeshes) -> mark_lost(i):
                router.take_out(i); the handle fails its outstanding calls with GeneratorLostError
                (the loop restarts those groups from their prompts); in a task of its own:
                stop the dead procs (bounded; on the shared mesh, its actor) -> spawn
@@ -34,17 +29,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from monarch.actor import ActorError, ProcMesh
+from monarch.actor import ProcMesh
 
-from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.console import short_report
-from torchtitan_rl.controller.fleet.relay_push import (
-    RELAY_TIMEOUT_S,
-    REPLACEMENT_ATTEMPT,
-    PushTotals,
-    relay_once,
-    until_lost,
-)
+from torchtitan_rl.controller.fleet.weight_push import WeightPush, until_lost
 from torchtitan_rl.controller.hosts.placement import RunHosts
 from torchtitan_rl.controller.hosts.shared_procs import spawn_generator_procs
 from torchtitan_rl.controller.supervision import ReplaceableMeshes
@@ -54,12 +42,11 @@ from torchtitan_rl.generator import (
     GeneratorLostError,
     spawn_generator,
 )
-from torchtitan_rl.generator.client import is_supervision_error
 from torchtitan_rl.generator.partial_rollout import ResumingGenerateFn
 from torchtitan_rl.generator.router import GeneratorRouter
 from torchtitan_rl.trainer.trainer import TrainerClient
 from torchtitan_rl.types import GenerateFn
-from torchtitan_rl.weight_sync import WeightTransport
+from torchtitan_rl.weight_sync.push import WeightTransport, choose_transport
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +83,7 @@ class GeneratorPool(ReplaceableMeshes):
         """Requests the other generators took while one was being replaced (finished windows)."""
         self._others_routed_at_loss: dict[int, int] = {}
         self._push_lock = asyncio.Lock()
-        self._push_reported: set[int] = set()
+        self._push_reported: set[str] = set()
         self.shared_procs: ProcMesh | None = None
         """The first generators' one proc mesh (None: a mesh each); stopped at close."""
 
@@ -138,110 +125,31 @@ class GeneratorPool(ReplaceableMeshes):
         return handle
 
     def _transport_for(self, handle: GeneratorHandle) -> tuple[WeightTransport, str]:
-        same_machine = (handle.machine_id == self.trainer.machine_id
-                        and not self.hosts.separate_machines)
-        where = ("on the trainer's machine" if same_machine else
-                 f"{handle.machine_id} is not the trainer's {self.trainer.machine_id}"
-                 if handle.machine_id != self.trainer.machine_id else
-                 "its host simulates another machine (placement.kind='process')")
-        if self.weight_transport == "auto":
-            return ("shared_memory" if same_machine else "message"), f"auto: {where}"
-        if self.weight_transport == "shared_memory" and not same_machine:
-            raise ConfigError(f"trainer.weight_transport='shared_memory' cannot reach "
-                              f"{handle.name}: {where}; use 'auto' or 'message'")
-        return self.weight_transport, "trainer.weight_transport"  # type: ignore[return-value]
+        return choose_transport(self.weight_transport, generator=handle.name,
+                                generator_machine=handle.machine_id,
+                                trainer_machine=self.trainer.machine_id,
+                                separate_machines=self.hosts.separate_machines)
 
     # ---- weights --------------------------------------------------------------------------------
     async def push_weights(self, version: int) -> dict[str, float]:
         """The trainer's weights to every serving generator, as policy ``version``: those on the
         trainer's machine one at a time by shared memory, the others down one relay chain
-        (weight_sync/relay.py). Metrics: bytes (``bytes_moved`` summed over senders,
+        (fleet/weight_push.py). Metrics: bytes (``bytes_moved`` summed over senders,
         ``busiest_sender_bytes``, ``model_bytes``), the last push's timings, the aborted
         requests summed over generators."""
         assert self.router is not None
         async with self._push_lock:
             self.policy_version = version
-            push = PushTotals()
-            serving = [i for i, h in enumerate(self.handles) if h.lost_reason is None]
-            for index in serving:
-                if self.handles[index].weight_transport == "shared_memory":
-                    await self._push_by_shared_memory(index, version, push)
-            await self._relay(version, [i for i in serving if
-                                        self.handles[i].weight_transport != "shared_memory"], push)
-        metrics = push.metrics(self.abort_on_pull)
+            metrics = await self._weight_push().run(
+                [(i, h) for i, h in enumerate(self.handles) if h.lost_reason is None], version)
         metrics["weight_sync/generators_by_shared_memory"] = float(sum(
             h.weight_transport == "shared_memory" for h in self.handles))
         return metrics
 
-    async def _push_by_shared_memory(self, index: int, version: int, push: PushTotals) -> None:
+    def _weight_push(self) -> WeightPush:
         assert self.router is not None
-        generator = self.handles[index]
-        self.router.set_syncing([index], True)
-        trainer_called = False
-        try:
-            metrics = await until_lost(generator, self.trainer.push_full_weights(generator, version))
-            trainer_called = True
-            push.timings.update(metrics)
-            moved = metrics.get("weight_sync/bytes", 0.0)
-            push.by_shared_memory(moved)
-            await self._pulled(index, version, moved, push)
-        except Exception as e:
-            # The trainer's call failing by itself (not an error its endpoint raised) is the
-            # trainer's death, not this generator's: the job restarts the trainer.
-            trainer_died = not trainer_called and not isinstance(e, ActorError)
-            if not (isinstance(e, GeneratorLostError)
-                    or (is_supervision_error(e) and not trainer_died)):
-                raise
-            generator.mark_lost(f"during the push of v{version}: {e}")
-            logger.warning("push v%d to %s failed: it was lost", version, generator.name)
-        finally:
-            self.router.set_syncing([index], False)
-
-    async def _relay(self, version: int, indices: list[int], push: PushTotals) -> None:
-        """Relay ``version`` down a chain of the generators ``indices``; a generator lost on the
-        way is replaced (mark_lost), and the survivors downstream of it, which never get the
-        rest, take a new attempt on a chain without it."""
-        assert self.router is not None
-        attempt = 0
-        start = time.perf_counter()
-        if indices:
-            push.timings["weight_sync/num_relayed"] = float(len(indices))
-        while indices:
-            syncing = indices
-            self.router.set_syncing(syncing, True)
-            try:
-                chain = [self.handles[i] for i in indices]
-                if attempt:
-                    logger.warning("relay v%d: attempt %d to %s", version, attempt,
-                                   ",".join(h.name for h in chain))
-
-                async def pulled(position: int, result: dict[str, float],
-                                 chain_indices: list[int] = indices) -> None:
-                    await self._pulled(chain_indices[position], version, result["sent_bytes"],
-                                       push)
-
-                missed = await relay_once(self.trainer, chain, version, attempt, push, pulled)
-                indices = [indices[p] for p in missed]
-            finally:
-                self.router.set_syncing(syncing, False)
-            attempt += 1
-        if attempt:  # from the first send to the last generator's pull, attempts included
-            push.timings["weight_sync/relay_s"] = time.perf_counter() - start
-
-    async def _pulled(self, index: int, version: int, moved: float, push: PushTotals) -> None:
-        """Generator ``index`` serves ``version`` now."""
-        generator = self.handles[index]
-        if index not in self._push_reported:
-            self._push_reported.add(index)
-            logger.info("%s: pushes by %s; v%d moved %.1f MB", generator.name,
-                        generator.weight_transport, version, moved / 1e6)
-        if self.abort_on_pull:
-            # Partial rollouts: running requests return their tokens so far and are resumed
-            # (prompt + partial) on the new weights (partial_rollout.py).
-            push.num_aborted += await until_lost(generator, generator.abort(None))
-        if self.trainer.verify_push and generator.weight_transport != "shared_memory":
-            await self.trainer.verify_weights([generator], version)  # debug: gathers
-            push.num_verified += 1
+        return WeightPush(self.trainer, self.router, abort_on_pull=self.abort_on_pull,
+                          reported=self._push_reported)
 
     async def rewind(self, version: int) -> None:
         """The trainer was restored to ``version`` (an older policy than the generators serve):
@@ -301,7 +209,7 @@ class GeneratorPool(ReplaceableMeshes):
                 new = await asyncio.wait_for(self._spawn(index, name), SPAWN_TIMEOUT_S)
                 async with self._push_lock:  # not while the loop pushes: one version, once
                     if self.policy_version > 0:  # else it serves model_dir: version 0 already
-                        await self._push_replacement(new, self.policy_version)
+                        await self._weight_push().to_replacement(new, self.policy_version)
                     self.handles[index] = new
             except BaseException:
                 if new is not None and self.handles[index] is not new:  # spawned, not serving
@@ -323,25 +231,6 @@ class GeneratorPool(ReplaceableMeshes):
         logger.warning("%s replaced by %s (policy v%d) in %.1f s", old.name, name,
                        self.policy_version, self.last_recovery_s)
         return True
-
-    async def _push_replacement(self, new: GeneratorHandle, version: int) -> None:
-        """The current version into a replacement (not serving yet): shared memory, or a relay
-        chain of one."""
-        if new.weight_transport == "shared_memory":
-            await until_lost(new, self.trainer.push_full_weights(new, version))
-            return
-        attempt = REPLACEMENT_ATTEMPT  # apart from the loop's attempts of the same version
-        # The loop may be training meanwhile: no step between the send and the read-back.
-        async with self.trainer.weights_lock:
-            wait = until_lost(new, new.rank0.wait_weights.call_one(version, attempt))
-            waiting = asyncio.ensure_future(wait)
-            try:
-                await self.trainer.relay_weights([new], version, attempt)
-                await asyncio.wait_for(waiting, RELAY_TIMEOUT_S)
-            finally:
-                waiting.cancel()
-            if self.trainer.verify_push:
-                await self.trainer.verify_weights([new], version)
 
     def _others_routed(self, index: int) -> int:
         assert self.router is not None

@@ -1,0 +1,264 @@
+"""One push of the trainer's weights to the generators, run in one direction: pool -> trainer
+ranks -> transport -> generators, and back to the pool as metrics.
+
+    GeneratorPool.push_weights(version) -> WeightPush(trainer, router).run(serving, version):
+      each generator on the trainer's machine, one at a time (the router keeps new sessions off
+        it): trainer.push_full_weights(generator, version): every rank gathers, rank 0 copies
+        once into shared memory and sends references (weight_sync/push.py, shared_memory.py)
+      the others at once, down one chain: trainer.relay_weights(chain, version, attempt): every
+        rank sends its own shards to chain[0], each generator forwards them to the next
+        (weight_sync/relay.py); each generator's wait_weights(version, attempt), raced against
+        its loss; a loss at chain position p: the ones before p finish, the ones after p take
+        attempt + 1 on a chain without it
+      each generator done (pulled): with partial rollouts, abort its running requests (they
+        resume on the new weights); with verify_weight_push, read its weights back bitwise
+    -> PushTotals.metrics(): bytes per sender, the last timings, aborted and verified counts
+    WeightPush.to_replacement(new, version): a replacement, before it serves
+
+Invariant: a call to a lost generator is never awaited (monarch#3435): every wait races the
+handle's ``lost_event`` (until_lost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from monarch.actor import ActorError
+
+from torchtitan_rl.generator import GeneratorHandle, GeneratorLostError
+from torchtitan_rl.generator.client import is_supervision_error
+from torchtitan_rl.generator.router import GeneratorRouter
+from torchtitan_rl.trainer.trainer import TrainerClient
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+RELAY_TIMEOUT_S = 600.0
+"""The most a relayed push waits for its next generator to finish (a loss is seen sooner)."""
+REPLACEMENT_ATTEMPT = 1 << 20
+"""A replacement's push attempt number: above any attempt of the loop's relay."""
+
+
+class PushTotals:
+    """What one push_weights moved: bytes per sender (shared-memory copies count as trainer rank
+    0's), the last timings, the requests aborted and the generators verified."""
+
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+        self.model_bytes = 0.0
+        self.bytes_moved = 0.0
+        self.busiest_trainer_rank = 0.0
+        self.by_shared_memory_bytes = 0.0
+        self.busiest_generator = 0.0
+        self.num_aborted = 0
+        self.num_verified = 0
+        """Relayed generators read back bit-exact (verify_weight_push; a difference raises)."""
+
+    def by_shared_memory(self, num_bytes: float) -> None:
+        self.model_bytes = num_bytes
+        self.bytes_moved += num_bytes
+        self.by_shared_memory_bytes += num_bytes
+
+    def by_trainer(self, sent: dict[str, float]) -> None:
+        self.model_bytes = sent["model_bytes"]
+        self.bytes_moved += sent["sent_bytes"]
+        self.busiest_trainer_rank = max(self.busiest_trainer_rank, sent["busiest_sender_bytes"])
+        self.timings["weight_sync/send_s"] = sent["send_s"]
+
+    def by_generator(self, result: dict[str, float]) -> None:
+        self.bytes_moved += result["sent_bytes"]
+        self.busiest_generator = max(self.busiest_generator, result["sent_bytes"])
+        for key in ("convert_s", "load_s"):
+            self.timings[f"weight_sync/generator_{key}"] = result[key]
+
+    def metrics(self, abort_on_pull: bool) -> dict[str, float]:
+        metrics = dict(self.timings)
+        if abort_on_pull:
+            metrics["generator/num_aborted_at_pull"] = float(self.num_aborted)
+        metrics["weight_sync/bytes_moved"] = self.bytes_moved
+        if self.num_verified:
+            metrics["weight_sync/relayed_generators_verified"] = float(self.num_verified)
+        metrics["weight_sync/model_bytes"] = self.model_bytes
+        metrics["weight_sync/bytes"] = self.model_bytes  # one push's payload, as a direct push logs it
+        trainer_rank = self.busiest_trainer_rank + self.by_shared_memory_bytes
+        metrics["weight_sync/busiest_trainer_rank_bytes"] = trainer_rank
+        metrics["weight_sync/busiest_generator_bytes"] = self.busiest_generator
+        metrics["weight_sync/busiest_sender_bytes"] = max(trainer_rank, self.busiest_generator)
+        return metrics
+
+
+class WeightPush:
+    """Pushes the trainer's weights as one policy version to generators (see the module
+    docstring). ``reported``: the generators whose transport was logged already (once each)."""
+
+    def __init__(self, trainer: TrainerClient, router: GeneratorRouter, *, abort_on_pull: bool,
+                 reported: set[str]) -> None:
+        self.trainer = trainer
+        self.router = router
+        self.abort_on_pull = abort_on_pull
+        self.reported = reported
+        self.totals = PushTotals()
+
+    async def run(self, generators: list[tuple[int, GeneratorHandle]],
+                  version: int) -> dict[str, float]:
+        """``version`` to ``generators`` (their router indices and handles): shared memory first,
+        then the relay. A generator lost on the way is marked lost (the pool replaces it)."""
+        for index, generator in generators:
+            if generator.weight_transport == "shared_memory":
+                await self._by_shared_memory(index, generator, version)
+        await self._relay([(i, g) for i, g in generators
+                           if g.weight_transport != "shared_memory"], version)
+        return self.totals.metrics(self.abort_on_pull)
+
+    async def _by_shared_memory(self, index: int, generator: GeneratorHandle,
+                                version: int) -> None:
+        self.router.set_syncing([index], True)
+        trainer_called = False
+        try:
+            metrics = await until_lost(generator, self.trainer.push_full_weights(generator, version))
+            trainer_called = True
+            self.totals.timings.update(metrics)
+            moved = metrics.get("weight_sync/bytes", 0.0)
+            self.totals.by_shared_memory(moved)
+            await self._pulled(generator, version, moved)
+        except Exception as e:
+            # The trainer's call failing by itself (not an error its endpoint raised) is the
+            # trainer's death, not this generator's: the job restarts the trainer.
+            trainer_died = not trainer_called and not isinstance(e, ActorError)
+            if not (isinstance(e, GeneratorLostError)
+                    or (is_supervision_error(e) and not trainer_died)):
+                raise
+            generator.mark_lost(f"during the push of v{version}: {e}")
+            logger.warning("push v%d to %s failed: it was lost", version, generator.name)
+        finally:
+            self.router.set_syncing([index], False)
+
+    async def _relay(self, generators: list[tuple[int, GeneratorHandle]], version: int) -> None:
+        """Relay ``version`` down a chain of ``generators``; a generator lost on the way is
+        marked lost, and the survivors downstream of it, which never get the rest, take a new
+        attempt on a chain without it."""
+        attempt = 0
+        start = time.perf_counter()
+        if generators:
+            self.totals.timings["weight_sync/num_relayed"] = float(len(generators))
+        while generators:
+            indices = [index for index, _ in generators]
+            chain = [generator for _, generator in generators]
+            self.router.set_syncing(indices, True)
+            try:
+                if attempt:
+                    logger.warning("relay v%d: attempt %d to %s", version, attempt,
+                                   ",".join(h.name for h in chain))
+                missed: list[int] = []
+                async with contextlib.aclosing(_relay_once(
+                        self.trainer, chain, version, attempt, self.totals)) as relayed:
+                    async for event in relayed:
+                        if isinstance(event, list):
+                            missed = event
+                        else:
+                            position, result = event
+                            await self._pulled(chain[position], version, result["sent_bytes"])
+                generators = [generators[p] for p in missed]
+            finally:
+                self.router.set_syncing(indices, False)
+            attempt += 1
+        if attempt:  # from the first send to the last generator's pull, attempts included
+            self.totals.timings["weight_sync/relay_s"] = time.perf_counter() - start
+
+    async def _pulled(self, generator: GeneratorHandle, version: int, moved: float) -> None:
+        """``generator`` serves ``version`` now."""
+        if generator.name not in self.reported:
+            self.reported.add(generator.name)
+            logger.info("%s: pushes by %s; v%d moved %.1f MB", generator.name,
+                        generator.weight_transport, version, moved / 1e6)
+        if self.abort_on_pull:
+            # Partial rollouts: running requests return their tokens so far and are resumed
+            # (prompt + partial) on the new weights (partial_rollout.py).
+            self.totals.num_aborted += await until_lost(generator, generator.abort(None))
+        if self.trainer.verify_push and generator.weight_transport != "shared_memory":
+            await self.trainer.verify_weights([generator], version)  # debug: gathers
+            self.totals.num_verified += 1
+
+    async def to_replacement(self, new: GeneratorHandle, version: int) -> None:
+        """``version`` into a replacement (not serving yet): shared memory, or a relay chain of
+        one."""
+        if new.weight_transport == "shared_memory":
+            await until_lost(new, self.trainer.push_full_weights(new, version))
+            return
+        attempt = REPLACEMENT_ATTEMPT  # apart from the loop's attempts of the same version
+        # The loop may be training meanwhile: no step between the send and the read-back.
+        async with self.trainer.weights_lock:
+            wait = until_lost(new, new.rank0.wait_weights.call_one(version, attempt))
+            waiting = asyncio.ensure_future(wait)
+            try:
+                await self.trainer.relay_weights([new], version, attempt)
+                await asyncio.wait_for(waiting, RELAY_TIMEOUT_S)
+            finally:
+                waiting.cancel()
+            if self.trainer.verify_push:
+                await self.trainer.verify_weights([new], version)
+
+
+async def _relay_once(trainer: TrainerClient, chain: list[GeneratorHandle], version: int,
+                      attempt: int, push: PushTotals
+                      ) -> AsyncIterator[tuple[int, dict[str, float]] | list[int]]:
+    """One relay of ``version`` down ``chain``: yields ``(position, result)`` as each generator
+    finishes, then the positions of serving generators that did not get it (after a generator
+    lost mid-push). The trainer's own call failing raises: that is the trainer's death (its
+    sends do not wait for generators, so a lost generator cannot fail it)."""
+    waits = [asyncio.ensure_future(until_lost(h, h.rank0.wait_weights.call_one(version, attempt)))
+             for h in chain]
+    position_of = {wait: p for p, wait in enumerate(waits)}
+    waiting = set(waits)
+    try:
+        push.by_trainer(await trainer.relay_weights(chain, version, attempt))
+        cut = len(chain)  # chain positions past a lost generator never get the rest
+        while active := {w for w in waiting if position_of[w] < cut}:
+            finished, _ = await asyncio.wait(active, timeout=RELAY_TIMEOUT_S,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            if not finished:
+                raise RuntimeError(f"relay of policy version {version}: no generator finished "
+                                   f"in {RELAY_TIMEOUT_S:.0f} s")
+            for wait in finished:
+                waiting.discard(wait)
+                p = position_of[wait]
+                try:
+                    result = wait.result()
+                except Exception as e:
+                    if not (isinstance(e, GeneratorLostError) or is_supervision_error(e)):
+                        raise
+                    chain[p].mark_lost(f"during the relay of v{version}: {e}")
+                    logger.warning("relay v%d: %s was lost (chain position %d of %d)",
+                                   version, chain[p].name, p, len(chain))
+                    cut = min(cut, p)
+                    continue
+                push.by_generator(result)
+                yield p, result
+    finally:
+        for wait in waits:
+            wait.cancel()
+    yield sorted(position_of[w] for w in waiting if chain[position_of[w]].lost_reason is None)
+
+
+async def until_lost(generator: GeneratorHandle, call: Awaitable[T]) -> T:
+    """Await ``call`` unless ``generator`` is lost first: then GeneratorLostError, without
+    waiting for a reply that may never come from the dead actor (monarch#3435)."""
+    task = asyncio.ensure_future(call)
+    lost = asyncio.ensure_future(generator.lost_event.wait())
+    try:
+        await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()  # the caller gave up (a relay past a lost generator): drop its reply
+        raise
+    finally:
+        lost.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise GeneratorLostError(f"{generator.name} was lost: {generator.lost_reason}")
