@@ -140,8 +140,13 @@ def run_and_report(config: RLJob.Config,
         print(error_line(e, name_type=False), file=console_err())  # a report: what and why
         return 1
     # The last line of the job: what a person (or a script) reads first.
-    print(" ".join(f"{k}={_fmt(summary[k])}" for k in ("reward_before", "reward_after", "steps",
-                                                        "wall_s")), file=console_out())
+    fields = [f"reward_before={_fmt(summary['reward_before'])}",
+              f"reward_after={_fmt(summary['reward_after'])}"]
+    if summary.get("rise") is not None:
+        z = summary["rise_z"]
+        fields += [f"rise={summary['rise']:+.4f}", f"z={'n/a' if z is None else f'{z:.1f}'}"]
+    fields += [f"steps={summary['steps']}", f"wall_s={_fmt(summary['wall_s'])}"]
+    print(" ".join(fields), file=console_out())
     return 0
 
 

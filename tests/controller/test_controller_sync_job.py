@@ -34,6 +34,19 @@ def test_three_step_sync_run_logs_finite_metrics_tensorboard_and_checkpoints(uni
     # the summary's rewards are the first and the last validation's, as logged
     assert summary["reward_before"] == metrics[0]["validation/reward_mean"]
     assert summary["reward_after"] == metrics[3]["validation/reward_mean"]
+    # the rise is paired by episode: with every episode's samples counted, its mean is the
+    # difference of the two means, and its standard error the episodes' (validation.py)
+    assert summary["rise"] == pytest.approx(summary["reward_after"] - summary["reward_before"])
+    state = json.loads((run_dir / "checkpoints" / "step-000003" / "controller.json").read_text())
+    before, after = (state["first_validation_episode_means"],
+                     state["last_validation_episode_means"])
+    assert len(before) == len(after) == 2  # validation.num_prompts episodes
+    assert summary["rise_stderr"] == pytest.approx(
+        abs((after[0] - before[0]) - (after[1] - before[1])) / 2)  # stdev of 2 over sqrt(2)
+    if summary["rise_stderr"] > 1e-12:
+        assert summary["rise_z"] == pytest.approx(summary["rise"] / summary["rise_stderr"])
+    else:
+        assert summary["rise_z"] is None
     for step in range(3):
         for key in ("loss/value", "loss/ratio_mean", "loss/clipped_frac", "rollout_reward/mean",
                     "rollout_reward/std", "rollout/num_turns", "batcher/pct_pad_in_batch",

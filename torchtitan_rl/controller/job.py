@@ -41,7 +41,7 @@ from torchtitan_rl.controller.checkpoint.resume_config import flat_config
 from torchtitan_rl.controller.hosts.placement import Placement
 from torchtitan_rl.controller.hosts.reaper import run_stoppable
 from torchtitan_rl.controller.loop.loop import RunParts, TrainingLoop
-from torchtitan_rl.controller.loop.validation import Validator
+from torchtitan_rl.controller.loop.validation import Validator, rise
 from torchtitan_rl.controller.resolved_job import ResolvedJob
 from torchtitan_rl.controller.resume import continue_from
 from torchtitan_rl.controller.spawn import SpawnTrainer, build_parts
@@ -295,12 +295,17 @@ async def _mesh_failures_in_one_line(watch: MeshFailureWatch) -> AsyncIterator[N
 
 def _write_summary(plan: ResolvedJob, state: ControllerState, resumed: dict[str, Any],
                    restored_from: list[int], wall_start: float) -> dict[str, Any]:
-    """summary.json in the run folder: the rewards before and after, steps, wall time, resume
-    and restarts."""
+    """summary.json in the run folder: the rewards before and after, the rise between them
+    paired by episode (validation.py), steps, wall time, resume and restarts."""
     history = state.validation_history
+    change = rise(state.first_validation_episode_means, state.last_validation_episode_means) \
+        if len(history) > 1 else None
     summary = {
         "reward_before": history[0][1] if history else None,
         "reward_after": history[-1][1] if history else None,
+        "rise": change.rise if change else None,
+        "rise_stderr": change.stderr if change else None,
+        "rise_z": change.z if change else None,
         "reward_after_per_turn": state.validation_per_turn,
         "steps": state.step,
         "wall_s": round(time.perf_counter() - wall_start, 1),

@@ -79,6 +79,10 @@ class ControllerState:
     """(step, reward mean, stderr)."""
     validation_per_turn: dict[str, float] = dataclasses.field(default_factory=dict)
     """The newest validation's per-turn rewards (`ValidationResult.per_turn`), for the summary."""
+    first_validation_episode_means: list[float] = dataclasses.field(default_factory=list)
+    last_validation_episode_means: list[float] = dataclasses.field(default_factory=list)
+    """The first and the newest validation's episode means: the summary's rise, paired by
+    episode (empty in checkpoints written before they were kept: the summary has no rise)."""
     rng_state: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:

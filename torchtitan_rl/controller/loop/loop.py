@@ -410,8 +410,11 @@ class TrainingLoop(Configurable):
     async def validate(self, step: int) -> None:
         parts = self.parts
         result = await parts.validator.run(parts.generate_fn, parts.sampling)
+        if not self.state.validation_history:
+            self.state.first_validation_episode_means = result.episode_means
         self.state.validation_history.append((step, result.reward_mean, result.reward_stderr))
         self.state.validation_per_turn = result.per_turn
+        self.state.last_validation_episode_means = result.episode_means
         parts.metrics.log(step, result.metrics())
         if self.progress is not None:  # the final validation too: it runs after the last step
             self._postfix["val"] = f"{result.reward_mean:.3f}"

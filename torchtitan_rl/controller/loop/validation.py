@@ -3,6 +3,12 @@
 Runs through the same Rollouter and GenerateFn as training, so it measures exactly what the policy
 does in the loop; greedy by default. Validation group ids start at `VALIDATION_GROUP_OFFSET` so
 their request ids never collide with training groups.
+
+The standard error is clustered by episode: the samples of one episode are not independent (they
+share its question), so the unit is the episode's mean reward, SE = stdev(episode means) / sqrt(E).
+More samples per episode sharpen each episode's mean; they do not multiply the count. The rise of
+a run (last validation minus first) is paired by episode: d_e = after_e - before_e over the same
+episodes, SE = stdev(d) / sqrt(E), z = mean(d) / SE (`rise`).
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ class ValidationResult:
     per_turn: dict[str, float] = dataclasses.field(default_factory=dict)
     """Mean of each per-turn reward part over the rollouts that reached the turn, keyed
     ``turn_{t}/{part}`` (t from 1), e.g. AlphabetSort's ``turn_2/turn_score``."""
+    episode_means: list[float] = dataclasses.field(default_factory=list)
+    """Each episode's mean reward over its samples, in the split's order (the clusters)."""
 
     def metrics(self, prefix: str = "validation") -> dict[str, float]:
         return {f"{prefix}/reward_mean": self.reward_mean,
@@ -105,8 +113,40 @@ class Validator(Configurable):
         groups = [task.result() for task in running]
         rewards = [r for g in groups for r in g.rewards]
         mean = statistics.fmean(rewards) if rewards else float("nan")
-        stderr = statistics.stdev(rewards) / math.sqrt(len(rewards)) if len(rewards) > 1 else 0.0
+        episode_means = [statistics.fmean(g.rewards) if g.rewards else float("nan")
+                         for g in groups]
         per_turn = {f"turn_{turn}/{name}": statistics.fmean(values)
                     for (turn, name), values in per_turn_reward_parts(groups).items()}
-        return ValidationResult(reward_mean=mean, reward_stderr=stderr, num_rollouts=len(rewards),
-                                per_turn=per_turn)
+        return ValidationResult(reward_mean=mean, reward_stderr=clustered_stderr(episode_means),
+                                num_rollouts=len(rewards), per_turn=per_turn,
+                                episode_means=episode_means)
+
+
+def clustered_stderr(episode_means: list[float]) -> float:
+    """The standard error of the mean reward with the episodes as clusters (0 with one)."""
+    values = [v for v in episode_means if math.isfinite(v)]
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Rise:
+    """The last validation minus the first, paired by episode."""
+
+    rise: float
+    stderr: float
+    z: float | None
+    """rise / stderr; None when the stderr is 0 (every episode moved alike, within 1e-12)."""
+
+
+def rise(before: list[float], after: list[float]) -> Rise | None:
+    """The rise from ``before`` to ``after`` (episode means of the same episodes, in order); None
+    when they are not the same episodes (a count that differs)."""
+    if not before or len(before) != len(after):
+        return None
+    differences = [a - b for a, b in zip(after, before) if math.isfinite(a - b)]
+    if not differences:
+        return None
+    mean = statistics.fmean(differences)
+    stderr = clustered_stderr(differences)
+    # Below float noise the episodes moved alike: no spread to measure the rise against.
+    return Rise(rise=mean, stderr=stderr, z=mean / stderr if stderr > 1e-12 else None)
