@@ -65,6 +65,9 @@ from torchtitan_rl.types import Sampling
 
 logger = logging.getLogger(__name__)
 
+SMOOTHING_STEPS = 10
+"""The training reward's moving-average window in reward_curve.png."""
+
 def _default_rollouter() -> Rollouter.Config:
     return Rollouter.Config(group_size=8)
 
@@ -362,6 +365,8 @@ def _make_model(plan: ResolvedJob) -> None:
 
 
 def _plot(state: ControllerState, run_dir: pathlib.Path) -> None:
+    """reward_curve.png: each step's training reward (faint) and its moving average over
+    `SMOOTHING_STEPS` steps, and every validation with its standard error (clustered by episode)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -369,10 +374,18 @@ def _plot(state: ControllerState, run_dir: pathlib.Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     if state.reward_history:
-        ax.plot(*zip(*state.reward_history), marker=".", label="train reward (sampled)")
+        steps, rewards = zip(*state.reward_history)
+        ax.plot(steps, rewards, color="tab:blue", alpha=0.3, linewidth=1,
+                label="train reward (each step)")
+        smoothed = [sum(rewards[max(0, i - SMOOTHING_STEPS + 1):i + 1])
+                    / len(rewards[max(0, i - SMOOTHING_STEPS + 1):i + 1])
+                    for i in range(len(rewards))]
+        ax.plot(steps, smoothed, color="tab:blue", linewidth=2,
+                label=f"train reward ({SMOOTHING_STEPS}-step mean)")
     if state.validation_history:
         steps, means, errs = zip(*state.validation_history)
-        ax.errorbar(steps, means, yerr=errs, marker="o", capsize=3, label="validation reward")
+        ax.errorbar(steps, means, yerr=errs, color="tab:orange", marker="o", capsize=4,
+                    linewidth=2, label="validation reward (+- standard error)")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
