@@ -272,3 +272,24 @@ def pytest_runtest_protocol(item: pytest.Item,
             return (yield)
         finally:
             sys.meta_path.remove(finder)
+
+
+# ---- Monarch failures reported outside a run ------------------------------------------------------
+# A run's MeshFailureWatch handles its meshes' failures while it runs. Outside one, Monarch's default
+# hook raises a KeyboardInterrupt in the main thread: in a pytest worker that ends the worker and
+# every test still queued on it, whichever test happens to run (a proc mesh stopped by an earlier
+# test can report its exit late, monarch's own tests note `stop()` exiting 1 now and then). Here
+# such a report is a warning in the test's log; a test whose own actors die still sees its calls
+# fail (SupervisionError).
+def _log_unhandled_mesh_failure(failure: Any) -> None:
+    import logging
+
+    logging.getLogger("tests.monarch").warning(
+        "Monarch mesh failure outside a run (not fatal in tests): %s",
+        " ".join(str(failure.report()).split()))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    actor = sys.modules.get("monarch.actor")
+    if actor is not None and actor.unhandled_fault_hook is not _log_unhandled_mesh_failure:
+        actor.unhandled_fault_hook = _log_unhandled_mesh_failure
