@@ -90,3 +90,45 @@ def test_warm_start_learns_and_its_cache_is_reused(tiny_model_dir, tmp_path, cap
                                            num_conversations=64, group_by_length=True,
                                            cache_dir=str(tmp_path / "x")))
     assert elsewhere.output_dir(tiny_model_dir, "alphabet", seed=0).name == out.name
+
+
+@pytest.mark.slow  # trains in this process until the signal
+def test_sigterm_during_the_warm_start_stops_it_at_its_next_step_writing_nothing(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """The job trains its warm start in a worker thread, so the run's signal handler runs: the
+    warm start stops between two steps, nothing is cached, the run ends as stopped (143)."""
+    import asyncio
+    import os
+    import signal
+    import types
+
+    from torchtitan_rl.controller.hosts.reaper import RunStopped, run_stoppable
+    from torchtitan_rl.controller.job import _make_model
+
+    config = WarmStart.Config(enabled=True, num_steps=100_000, batch_size=2,
+                              num_conversations=8, cache_dir=str(tmp_path))
+    out = WarmStart(config).output_dir(tiny_model_dir, "alphabet", seed=0)
+    plan = types.SimpleNamespace(
+        warm_start=config, task=AlphabetSortTask.Config(), base_model_dir=str(tiny_model_dir),
+        model_dir=str(out), seed=0, rollouter=types.SimpleNamespace(enable_thinking=None))
+    loop: list[asyncio.AbstractEventLoop] = []
+    steps: list[int] = []
+    train_step = WarmStart._step
+
+    def step_then_signal(self, *args):
+        steps.append(len(steps))
+        if len(steps) == 1:  # SIGTERM from the event loop's thread, as a terminal's would land
+            loop[0].call_soon_threadsafe(os.kill, os.getpid(), signal.SIGTERM)
+        return train_step(self, *args)
+
+    monkeypatch.setattr(WarmStart, "_step", step_then_signal)
+
+    async def run() -> None:
+        loop.append(asyncio.get_running_loop())
+        await _make_model(plan)
+
+    with pytest.raises(RunStopped) as stopped:
+        run_stoppable(run())
+    assert stopped.value.exit_code == 128 + signal.SIGTERM
+    assert 1 <= len(steps) < config.num_steps
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # nothing cached, no temp dir

@@ -19,6 +19,7 @@ import pathlib
 import random
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -34,6 +35,10 @@ Example = tuple[list[int], list[int]]
 """(token ids, assistant mask) of one conversation."""
 
 LENGTH_GROUP_BATCHES = 8
+
+
+class WarmStartStopped(Exception):
+    """The run was stopped (SIGTERM, Ctrl-C) during the warm start; nothing was written."""
 
 
 class WarmStart(Configurable):
@@ -98,23 +103,27 @@ class WarmStart(Configurable):
         solved_conversation: Callable[[int], Conversation],
         seed: int,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        stop: threading.Event | None = None,
     ) -> pathlib.Path:
         """Train the warm start into ``out`` (`output_dir`) unless it is cached there.
         ``chat_template_kwargs``: what the run's rollouts render with
         (`token_env.chat_template_kwargs`), so the warm start learns the replies in the same
-        frame; the task fingerprint in ``out``'s cache key includes it."""
+        frame; the task fingerprint in ``out``'s cache key includes it. ``stop`` set: raises
+        WarmStartStopped before the next step, with nothing written."""
         if (out / "config.json").is_file():
             logger.info("warm start: reusing %s", out)
             if any(is_private(p) for p in (out, *out.glob("*.safetensors"))):
                 share_like_umask(out)  # cached before the umask's modes were set (0700 / 0600)
             return out
         conversations = [solved_conversation(i) for i in range(self.config.num_conversations)]
-        self._train(base_model_dir, conversations, out, seed, chat_template_kwargs or {})
+        self._train(base_model_dir, conversations, out, seed, chat_template_kwargs or {},
+                    stop or threading.Event())
         return out
 
     def _train(
         self, base_model_dir: pathlib.Path, conversations: Sequence[Conversation],
         out: pathlib.Path, seed: int, chat_template_kwargs: Mapping[str, Any],
+        stop: threading.Event,
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -139,6 +148,8 @@ class WarmStart(Configurable):
         batches = self._batches(examples, rng)
         with progress_bar(total=cfg.num_steps, desc="warm start") as bar:
             for step in range(cfg.num_steps):
+                if stop.is_set():
+                    raise WarmStartStopped(f"warm start stopped at step {step}/{cfg.num_steps}")
                 loss = self._step(model, optimizer, schedule, next(batches), pad_id)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", refresh=False)

@@ -25,6 +25,7 @@ import gc
 import json
 import logging
 import pathlib
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -192,7 +193,7 @@ class RLJob(Configurable):
         wall_start = time.perf_counter()
         plan = self.resolve()
         checkpointer, resume_dir, state, resumed = self._open_run_folder(plan)
-        _make_model(plan)
+        await _make_model(plan)
         _dump_tasks_on_sigusr1()
         with MeshFailureWatch() as watch:
             parts = await build_parts(
@@ -350,18 +351,30 @@ def _warm_start_fingerprint(task: TaskConfig, enable_thinking: bool | None = Non
     return json.dumps(data, sort_keys=True)
 
 
-def _make_model(plan: ResolvedJob) -> None:
-    """Train the warm start into ``plan.model_dir`` unless it is cached there."""
+async def _make_model(plan: ResolvedJob) -> None:
+    """Train the warm start into ``plan.model_dir`` unless it is cached there. It trains in a
+    worker thread, so the event loop stays free for SIGTERM and Ctrl-C (hosts/reaper.py
+    run_stoppable): cancelled, the warm start stops between two of its steps, writing nothing."""
     if plan.warm_start is None:
         return
     task = plan.task.build()
     assert isinstance(task, SupervisedTask)  # ResolvedJob.check
     train = task.dataset("train")
-    plan.warm_start.build().run(
+    stop = threading.Event()
+    training = asyncio.ensure_future(asyncio.to_thread(
+        plan.warm_start.build().run,
         base_model_dir=pathlib.Path(plan.base_model_dir), out=pathlib.Path(plan.model_dir),
         solved_conversation=lambda i: task.solved_conversation(train[i % len(train)]),
         seed=plan.seed, chat_template_kwargs=chat_template_kwargs(plan.rollouter.enable_thinking),
-    )
+        stop=stop))
+    try:
+        await asyncio.shield(training)
+    except asyncio.CancelledError:
+        stop.set()
+        await asyncio.wait([training])  # the thread ends at its next step
+        if not training.cancelled():
+            training.exception()  # WarmStartStopped: retrieved, the run's stop is the news
+        raise
 
 
 def _plot(state: ControllerState, run_dir: pathlib.Path) -> None:
