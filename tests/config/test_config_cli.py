@@ -230,3 +230,34 @@ def test_print_resolved_shows_what_each_part_gets(capsys, monkeypatch):
     written = tomli.loads(_call_cli(capsys, monkeypatch, "--config",
                                     "run_configs/alphabet_sort_cpu.toml", "--print-config").stdout)
     assert "model_dir" not in written["generator"]
+
+
+# ---- a task class that inherits its parent's Config --------------------------------------------
+from examples.running_sum import RunningSumTask  # noqa: E402
+
+
+class InheritsItsParentsConfig(RunningSumTask):
+    """Overrides nothing of the config: without a Config of its own it would build its parent."""
+
+
+class DeclaresItsOwnConfig(RunningSumTask):
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(RunningSumTask.Config):
+        pass
+
+
+def test_the_task_class_named_is_the_one_that_runs_or_the_error_says_how():
+    from torchtitan_rl.config.convert import import_config_class
+    from torchtitan_rl.task import TaskConfig
+
+    with pytest.raises(ConfigError, match=(
+            r"task.type: 'tests.config.test_config_cli:InheritsItsParentsConfig' has no Config "
+            r"of its own \(it inherits RunningSumTask.Config, which builds RunningSumTask\); "
+            r"declare one in the class: .*class Config\(RunningSumTask.Config\): pass")):
+        import_config_class("tests.config.test_config_cli:InheritsItsParentsConfig", TaskConfig,
+                            "task.type")
+    own = import_config_class("tests.config.test_config_cli:DeclaresItsOwnConfig", TaskConfig,
+                              "task.type")
+    assert type(own().build()).__qualname__ == "DeclaresItsOwnConfig"  # the class named runs
+    assert import_config_class("examples.running_sum:RunningSumTask", TaskConfig,
+                               "task.type") is RunningSumTask.Config

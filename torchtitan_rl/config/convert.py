@@ -131,6 +131,14 @@ def import_config_class(type_path: Any, base: type, path: str) -> type:
     except AttributeError as e:
         raise ConfigError(f"{path}: cannot import {type_path!r} ({e})") from None
     config_cls = getattr(obj, "Config", obj)
+    owner = getattr(config_cls, "_owner", None)
+    if isinstance(obj, type) and config_cls is not obj and owner is not None and owner is not obj:
+        # A subclass that inherits its parent's Config would build the parent: not what was named.
+        raise ConfigError(
+            f"{path}: {type_path!r} has no Config of its own (it inherits "
+            f"{owner.__qualname__}.Config, which builds {owner.__qualname__}); declare one in "
+            f"the class: @dataclasses.dataclass(kw_only=True, slots=True) class "
+            f"Config({owner.__qualname__}.Config): pass")
     if not (isinstance(config_cls, type) and issubclass(config_cls, base)):
         raise ConfigError(f"{path}: {type_path!r} is not a {base.__qualname__} (its Config must "
                           f"subclass {base.__module__}.{base.__qualname__})")
