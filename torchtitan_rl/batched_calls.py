@@ -73,8 +73,6 @@ class BatchedCaller(Generic[RequestT, ResultT]):
         """Futures by key, until their result comes back."""
         self._unsent: dict[int, RequestT] = {}
         """Calls made in this event-loop turn, sent together at its end."""
-        self._never_sent: set[int] = set()
-        """Calls cancelled before their turn ended: their cancel goes nowhere."""
         self._port: Any = None
         self._receiving: asyncio.Future[None] | None = None
 
@@ -96,27 +94,24 @@ class BatchedCaller(Generic[RequestT, ResultT]):
         self._unsent[key] = request
 
         def forget(done: asyncio.Future[ResultT]) -> None:
-            self._waiting.pop(key, None)
-            # The caller gave up: a call not sent yet never leaves; one sent is cancelled at the
-            # actor (the cancel goes after its message, so the actor finds it).
-            if not done.cancelled() or key in self._unsent or self.failed is not None:
-                self._unsent.pop(key, None)
-            elif key not in self._never_sent:
-                self._cancel(key, request)
-            self._never_sent.discard(key)
+            # A call still in _waiting and no longer in _unsent left in a message; one given up
+            # before it left is in neither (flush dropped it) or still in _unsent.
+            sent = self._waiting.pop(key, None) is not None and key not in self._unsent
+            self._unsent.pop(key, None)
+            if done.cancelled() and sent and self.failed is None:
+                self._cancel(key, request)  # after its message, so the actor finds it
 
         result.add_done_callback(forget)
         return result
 
     def flush(self) -> None:
         """Send the calls made so far in this turn now (before another message to the actor,
-        which must not overtake them)."""
+        which must not overtake them); a call given up already never leaves."""
         unsent, self._unsent = self._unsent, {}
         batch = []
         for key, request in unsent.items():
-            waiting = self._waiting.get(key)
-            if waiting is not None and waiting.cancelled():  # given up before it left
-                self._never_sent.add(key)
+            if self._waiting[key].cancelled():
+                del self._waiting[key]
             else:
                 batch.append((key, request))
         if batch and self.failed is None:

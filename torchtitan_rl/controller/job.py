@@ -25,6 +25,7 @@ import gc
 import json
 import logging
 import pathlib
+import statistics
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -390,8 +391,7 @@ def _plot(state: ControllerState, run_dir: pathlib.Path) -> None:
         steps, rewards = zip(*state.reward_history)
         ax.plot(steps, rewards, color="tab:blue", alpha=0.3, linewidth=1,
                 label="train reward (each step)")
-        smoothed = [sum(rewards[max(0, i - SMOOTHING_STEPS + 1):i + 1])
-                    / len(rewards[max(0, i - SMOOTHING_STEPS + 1):i + 1])
+        smoothed = [statistics.fmean(rewards[max(0, i - SMOOTHING_STEPS + 1):i + 1])
                     for i in range(len(rewards))]
         ax.plot(steps, smoothed, color="tab:blue", linewidth=2,
                 label=f"train reward ({SMOOTHING_STEPS}-step mean)")

@@ -155,16 +155,15 @@ class WeightPush:
                 if attempt:
                     logger.warning("relay v%d: attempt %d to %s", version, attempt,
                                    ",".join(h.name for h in chain))
-                missed: list[int] = []
+                pulled: set[int] = set()
                 async with contextlib.aclosing(_relay_once(
                         self.trainer, chain, version, attempt, self.totals)) as relayed:
-                    async for event in relayed:
-                        if isinstance(event, list):
-                            missed = event
-                        else:
-                            position, result = event
-                            await self._pulled(chain[position], version, result["sent_bytes"])
-                generators = [generators[p] for p in missed]
+                    async for position, result in relayed:
+                        pulled.add(position)
+                        await self._pulled(chain[position], version, result["sent_bytes"])
+                # Serving generators that did not get it: downstream of one lost on the way.
+                generators = [(i, h) for p, (i, h) in enumerate(generators)
+                              if p not in pulled and h.lost_reason is None]
             finally:
                 self.router.set_syncing(indices, False)
             attempt += 1
@@ -207,11 +206,11 @@ class WeightPush:
 
 async def _relay_once(trainer: TrainerClient, chain: list[GeneratorHandle], version: int,
                       attempt: int, push: PushTotals
-                      ) -> AsyncIterator[tuple[int, dict[str, float]] | list[int]]:
+                      ) -> AsyncIterator[tuple[int, dict[str, float]]]:
     """One relay of ``version`` down ``chain``: yields ``(position, result)`` as each generator
-    finishes, then the positions of serving generators that did not get it (after a generator
-    lost mid-push). The trainer's own call failing raises: that is the trainer's death (its
-    sends do not wait for generators, so a lost generator cannot fail it)."""
+    finishes; a generator lost on the way is marked lost, and the ones after it in the chain
+    never finish. The trainer's own call failing raises: that is the trainer's death (its sends
+    do not wait for generators, so a lost generator cannot fail it)."""
     waits = [asyncio.ensure_future(until_lost(h, h.rank0.wait_weights.call_one(version, attempt)))
              for h in chain]
     position_of = {wait: p for p, wait in enumerate(waits)}
@@ -243,7 +242,6 @@ async def _relay_once(trainer: TrainerClient, chain: list[GeneratorHandle], vers
     finally:
         for wait in waits:
             wait.cancel()
-    yield sorted(position_of[w] for w in waiting if chain[position_of[w]].lost_reason is None)
 
 
 async def until_lost(generator: GeneratorHandle, call: Awaitable[T]) -> T:

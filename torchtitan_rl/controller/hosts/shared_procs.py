@@ -6,7 +6,8 @@ and the rollout workers.
     GeneratorPool.spawn, RolloutWorkerPool.spawn
       -> spawn_shared_procs(hosts, host_of, name) -> (mesh, proc_of) or None
          proc_of(i): actor i's one-proc slice, on generator host host_of[i]; the caller spawns
-         its own actor mesh there (named as before: it is reported, stopped and replaced alone)
+         its own actor mesh there (named as a mesh of its own would be: it is reported, stopped
+         and replaced alone)
          None: fewer than two, or hosts not filled evenly: the caller spawns a mesh each, as it
          does for every replacement
 
