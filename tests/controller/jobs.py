@@ -22,7 +22,7 @@ from torchtitan_rl.rollout.recorder import RolloutRecorder
 from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.trainer.batcher import Batcher
 from torchtitan_rl.trainer.core import OptimizerConfig
-from torchtitan_rl.trainer.loss import GRPOLoss
+from torchtitan_rl.trainer.loss import PolicyLoss
 from torchtitan_rl.trainer.trainer import PolicyTrainer
 from torchtitan_rl.types import Sampling
 
@@ -35,7 +35,7 @@ TINY_MODEL_BYTES = 558_848
 def tiny_job(output_dir: pathlib.Path, name: str, *, num_steps: int = 3,
              max_staleness: int = 0, **loop_kwargs) -> RLJob.Config:
     """Three short single-turn GRPO steps on the tiny model; bit-reproducible on CPU (the PPO
-    ratio is taken against the trainer's own logprobs, see GRPOLoss.ratio_reference).
+    ratio is taken against the trainer's own logprobs, see PolicyLoss.ratio_reference).
     ``max_staleness`` 0 is synchronous training."""
     return RLJob.Config(
         name=name,
@@ -49,7 +49,7 @@ def tiny_job(output_dir: pathlib.Path, name: str, *, num_steps: int = 3,
         batcher=Batcher.Config(seq_len=96),
         trainer=PolicyTrainer.Config(
             optimizer=OptimizerConfig(lr=1e-2),
-            loss=GRPOLoss.Config(ratio_reference="trainer"),
+            loss=PolicyLoss.Config(ratio_reference="trainer"),
             num_threads=1,
         ),
         loop=TrainingLoop.Config(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import random
 import signal
@@ -157,15 +158,36 @@ def test_rerun_resumes_instead_of_deleting(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_async_partial_rollouts_over_two_generators_stay_within_staleness(tmp_path):
+    """Also the algorithms' real-stack run for RLOO advantages and the CISPO loss with Dr. GRPO's
+    aggregation (off-policy, with TIS): the recorded advantages are leave-one-out ones."""
     config = tiny_job(tmp_path, "partial", max_staleness=1, partial_rollout="abort")
     config = dataclasses.replace(
         config, num_generators=2,
         router=GeneratorRouter.Config(strategy="least_loaded"),
         verify_weight_push=True,  # each push is read back from both engines, bit for bit
+        rollouter=dataclasses.replace(config.rollouter, advantage="rloo"),
+        trainer=dataclasses.replace(config.trainer, loss=dataclasses.replace(
+            config.trainer.loss, policy_loss="cispo", aggregation="seq-mean-token-sum-norm")),
     )
     summary = main(config)
     assert summary["steps"] == 3
     metrics = read_metrics(tmp_path / "partial")
+    groups: dict[int, list[dict]] = {}
+    for line in (tmp_path / "partial" / "rollouts" / "rollouts.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        groups.setdefault(record["group_id"], []).append(record)
+    num_checked = 0
+    for rollouts in groups.values():
+        if rollouts[0]["group_dropped"]:
+            continue
+        rewards = [r["reward"] for r in rollouts]
+        assert len(rewards) == config.rollouter.group_size
+        for r in rollouts:  # Ahmadian et al. 2024: r_i - mean of the others
+            others = (sum(rewards) - r["reward"]) / (len(rewards) - 1)
+            assert r["advantage"] == pytest.approx(r["reward"] - others, abs=1e-9)
+            num_checked += 1
+    assert num_checked > 0
+    assert all(math.isfinite(metrics[s]["loss/objective"]) for s in range(3))
     for step in range(3):
         m = metrics[step]
         assert 0 <= m["async/policy_age_min"] <= m["async/policy_age_max"] <= 1, (step, m)

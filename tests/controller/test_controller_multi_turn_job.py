@@ -1,7 +1,9 @@
 """Multi-turn episodes through the whole stack (Monarch meshes, vLLM generator, torchtitan
 trainer): the loss mask the trainer trains with covers exactly the tokens the generator produced
 in every turn (turn 2 and 3 included) and none of the prompt or of the user messages the env
-inserts between turns.
+inserts between turns. The job trains with REINFORCE++ with a group baseline (per-turn credit,
+whitened over each step), GSPO and a k3 KL term to the reference model: the advantages the
+trainer received are the step-whitened per-turn ones, and the KL is 0 before the first update.
 
 What the trainer received is read from ``trainer.debug_batch_log`` (each rank appends, per
 microbatch, the input ids, positions, document ids and loss mask its loss used); what was
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 from typing import Any
 
@@ -48,12 +51,17 @@ def multi_turn_run(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
         base,
         task=MultiTurnLetterTask.Config(num_turns=NUM_TURNS),
         rollouter=Rollouter.Config(group_size=4, max_turns=NUM_TURNS,
-                                   max_rollout_tokens=SEQ_LEN, advantage_std="none",
-                                   credit="turn", turn_discount=TURN_DISCOUNT),
+                                   max_rollout_tokens=SEQ_LEN, credit="turn",
+                                   turn_discount=TURN_DISCOUNT,
+                                   advantage="reinforce_pp_baseline"),
         sampling=Sampling(max_tokens=12, stop_token_ids=STOP_TOKEN_IDS),
         generator=Generator.Config(max_model_len=SEQ_LEN, kv_cache_bytes=32 << 20),
         batcher=Batcher.Config(seq_len=SEQ_LEN),
-        trainer=dataclasses.replace(base.trainer, debug_batch_log=str(batch_log)),
+        trainer=dataclasses.replace(
+            base.trainer, debug_batch_log=str(batch_log),
+            loss=dataclasses.replace(base.trainer.loss, policy_loss="gspo",
+                                     aggregation="seq-mean-token-mean", clip_low=3e-3,
+                                     clip_high=4e-3, kl_coef=0.1, kl_estimator="k3")),
         validation=Validator.Config(num_prompts=4, samples_per_prompt=2, temperature=1.0),
         checkpoint=Checkpointer.Config(every_steps=0, export_hf=False),
     )
@@ -184,23 +192,31 @@ def test_per_turn_credit_reaches_the_trainer_and_validation_reports_each_turn(mu
         for t in range(max(len(v) for v in returns)):
             reached = [(r, v[t]) for r, v in zip(rollouts, returns) if len(v) > t]
             mean = sum(g for _, g in reached) / len(reached)
-            for rollout, g in reached:  # advantage_std "none": the mean baseline only
+            for rollout, g in reached:  # reinforce_pp_baseline: the mean baseline only
                 assert rollout["turns"][t]["advantage"] == pytest.approx(g - mean, abs=1e-12)
                 num_checked += 1
     assert num_checked > 0
 
     different_turn_advantages = 0
     for step, sample_ids in trained.items():
+        expected_by_document, trained_values = [], []
         for document, sample_id in enumerate(sample_ids):
             rollout = recorded[(step, sample_id.rsplit("/", 1)[0])]
-            tokens, token_mask, token_advantages = received[step][document]
-            expected = [0.0] * len(tokens)
+            tokens, _, _ = received[step][document]
+            expected: list[float | None] = [None] * len(tokens)
             for turn in rollout["turns"]:
                 for j in range(turn["num_prompt_tokens"],
                                turn["num_prompt_tokens"] + turn["num_completion_tokens"]):
                     expected[j] = turn["advantage"]
-            assert token_advantages == pytest.approx(expected, abs=1e-6), sample_id
+                    trained_values.append(turn["advantage"])
+            expected_by_document.append(expected)
             different_turn_advantages += len({t["advantage"] for t in rollout["turns"]}) > 1
+        # REINFORCE++: whitened over every trained token of the step (Bessel, eps 1e-8)
+        mean = sum(trained_values) / len(trained_values)
+        var = sum((a - mean) ** 2 for a in trained_values) / (len(trained_values) - 1)
+        for document, expected in enumerate(expected_by_document):
+            whitened = [0.0 if a is None else (a - mean) / (var + 1e-8) ** 0.5 for a in expected]
+            assert received[step][document][2] == pytest.approx(whitened, abs=1e-5), document
     assert different_turn_advantages > 0  # turns of one rollout were credited differently
 
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -213,3 +229,7 @@ def test_per_turn_credit_reaches_the_trainer_and_validation_reports_each_turn(mu
         # turn's part was not averaged over its rollouts
         assert 0.0 < value < 1.0, (key, value)
     assert "validation/turn_1/a_to_m" in metrics[0]
+    # The reference model is the starting policy: no KL before the first update, some after it.
+    assert metrics[0]["loss/kl_mean"] == 0.0
+    assert metrics[1]["loss/kl_mean"] > 0.0
+    assert all(math.isfinite(metrics[s]["loss/objective"]) for s in range(NUM_STEPS))

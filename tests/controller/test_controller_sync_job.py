@@ -149,8 +149,13 @@ def test_a_task_defined_only_in_tests_runs_a_real_job_from_a_toml_file(letters_t
     metrics = read_metrics(run_dir)
     assert all(metrics[step]["loss/num_valid_tokens"] > 0 for step in (0, 1))
     # the rollouts are LetterTask's episodes (its prompt text), recorded at step 0
-    assert "Write words, train prompt" in (
-        run_dir / "rollouts" / "rollouts.jsonl").read_text()
+    recorded = (run_dir / "rollouts" / "rollouts.jsonl").read_text()
+    assert "Write words, train prompt" in recorded
+    # The TOML's algorithms: REINFORCE++ (a rollout's advantage is its reward until the step
+    # whitens it in the trainer), dual-clip PPO with seq-mean-token-sum, all finite.
+    rollouts = [json.loads(line) for line in recorded.splitlines()]
+    assert all(r["advantage"] == r["reward"] for r in rollouts if not r["group_dropped"])
+    assert all(math.isfinite(metrics[step]["loss/objective"]) for step in (0, 1))
 
 
 @pytest.mark.slow

@@ -91,3 +91,70 @@ def test_the_main_job_keeps_the_mean_baseline() -> None:
     config = parse_args(RLJob.Config,
                         ["--config", str(root / "run_configs" / "alphabet_sort_cpu.toml")]).config
     assert config.rollouter.advantage_std == "none"
+
+
+def test_rloo_is_leave_one_out_and_grpo_without_std_scaled_by_g_over_g_minus_1() -> None:
+    rng = random.Random(1)
+    for _ in range(50):
+        rewards = [rng.random() for _ in range(rng.randint(2, 9))]
+        counted = [rng.random() < 0.8 for _ in rewards]
+        counted[0] = counted[1] = True
+        rloo, _ = group_advantages(rewards, counted, advantage_std="sample", estimator="rloo")
+        kept = [r for r, c in zip(rewards, counted) if c]
+        g = len(kept)
+        # Ahmadian et al. 2024: A_i = r_i - 1/(G-1) sum_{j != i} r_j
+        by_definition = iter([r - (sum(kept) - r) / (g - 1) for r in kept])
+        assert rloo == pytest.approx([next(by_definition) if c else None for c in counted],
+                                     rel=1e-9, abs=1e-12)
+        grpo, _ = group_advantages(rewards, counted, advantage_std="none")
+        assert [a for a in rloo if a is not None] == pytest.approx(
+            [a * g / (g - 1) for a in grpo if a is not None], rel=1e-9, abs=1e-12)
+
+
+def test_reinforce_pp_keeps_rewards_and_its_baseline_variant_subtracts_the_mean() -> None:
+    rewards = [1.0, 0.0, 0.5, 0.25]
+    plain, reason = group_advantages(rewards, [True] * 4, advantage_std="sample",
+                                     estimator="reinforce_pp")
+    assert plain == rewards and reason is None
+    baseline, _ = group_advantages(rewards, [True, True, True, False], advantage_std="sample",
+                                   estimator="reinforce_pp_baseline")
+    assert baseline == pytest.approx([0.5, -0.5, 0.0, None])
+    # Equal rewards carry no signal for every estimator (the dynamic-sampling filter).
+    for estimator in ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"):
+        _, reason = group_advantages([0.7] * 3, [True] * 3, advantage_std="none",
+                                     estimator=estimator)
+        assert reason == "zero_std"
+
+
+def test_whitening_over_the_step_gives_mean_0_std_1_on_trained_tokens_only() -> None:
+    from torchtitan_rl.rollout.advantage import whiten_advantages
+    from torchtitan_rl.types import TrainingSample
+
+    rng = random.Random(2)
+    samples = []
+    for i in range(5):
+        n = rng.randint(3, 9)
+        mask = [0, 0] + [1] * (n - 2)
+        adv = rng.random()
+        samples.append(TrainingSample(sample_id=f"s{i}", group_id=i, token_ids=[1] * n,
+                                      loss_mask=mask, generator_logprobs=[0.0] * n,
+                                      advantages=[0.0, 0.0] + [adv] * (n - 2),
+                                      policy_versions=[-1, -1] + [0] * (n - 2)))
+    whitened = whiten_advantages(samples)
+    values = [a for s in whitened for a, m in zip(s.advantages, s.loss_mask) if m]
+    raw = [a for s in samples for a, m in zip(s.advantages, s.loss_mask) if m]
+    mean = sum(raw) / len(raw)
+    std = math.sqrt(sum((a - mean) ** 2 for a in raw) / (len(raw) - 1))
+    assert values == pytest.approx([(a - mean) / math.sqrt(std ** 2 + 1e-8) for a in raw])
+    assert sum(values) == pytest.approx(0.0, abs=1e-9)
+    assert all(a == 0.0 for s in whitened for a, m in zip(s.advantages, s.loss_mask) if not m)
+    assert samples[0].advantages[2] != whitened[0].advantages[2]  # copies: the inputs unchanged
+
+
+def test_unknown_estimator_is_refused_naming_the_key() -> None:
+    from torchtitan_rl.controller.job import RLJob
+
+    with pytest.raises(ConfigError, match="expected one of 'grpo', 'rloo'"):
+        parse_args(RLJob.Config, ["--rollouter.advantage", "ppo"])
+    with pytest.raises(ValueError, match="advantage must be one of"):
+        Rollouter.Config(advantage="ppo")

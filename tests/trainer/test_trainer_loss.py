@@ -1,4 +1,4 @@
-"""GRPOLoss against values computed by hand on five tokens."""
+"""PolicyLoss against values computed by hand on five tokens."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torchtitan_rl.trainer.loss import (
     MAX_KEYS,
     SUM_KEYS,
-    GRPOLoss,
+    PolicyLoss,
     finalize_loss_metrics,
     token_logprobs_and_entropy,
 )
@@ -23,7 +23,7 @@ ADV = [1.0, -1.0, 2.0, 5.0, 7.0]
 MASK = [1, 1, 1, 1, 0]
 
 
-def _run(config: GRPOLoss.Config, num_global_valid_tokens: int = 3):
+def _run(config: PolicyLoss.Config, num_global_valid_tokens: int = 3):
     logp = torch.full((1, 5), math.log(0.5), requires_grad=True)
     loss_fn = config.build()
     loss, sums, maxima = loss_fn(
@@ -42,7 +42,7 @@ def _run(config: GRPOLoss.Config, num_global_valid_tokens: int = 3):
 
 
 def test_trainer_loss_clips_both_sides_and_drops_nan_and_masked_tokens():
-    loss, grad, metrics = _run(GRPOLoss.Config(clip_low=0.2, clip_high=0.28))
+    loss, grad, metrics = _run(PolicyLoss.Config(clip_low=0.2, clip_high=0.28))
     # -min(2*1, 1.28*1) = -1.28; -min(-0.625, -0.8) = 0.8; -min(2, 2) = -2
     assert loss.item() == pytest.approx((-1.28 + 0.8 - 2.0) / 3, abs=1e-6)
     # clipped tokens get no gradient; t2: d/dlogp of -ratio*A = -A*ratio / N
@@ -62,14 +62,14 @@ def test_trainer_loss_clips_both_sides_and_drops_nan_and_masked_tokens():
 
 
 def test_trainer_loss_denominator_is_the_global_token_count():
-    loss_local, grad_local, _ = _run(GRPOLoss.Config(clip_high=0.28), num_global_valid_tokens=3)
-    loss_global, grad_global, _ = _run(GRPOLoss.Config(clip_high=0.28), num_global_valid_tokens=12)
+    loss_local, grad_local, _ = _run(PolicyLoss.Config(clip_high=0.28), num_global_valid_tokens=3)
+    loss_global, grad_global, _ = _run(PolicyLoss.Config(clip_high=0.28), num_global_valid_tokens=12)
     assert loss_global.item() == pytest.approx(loss_local.item() * 3 / 12, abs=1e-7)
     torch.testing.assert_close(grad_global, grad_local * 3 / 12)
 
 
 def test_trainer_loss_truncated_importance_sampling_weights_and_caps():
-    loss, grad, metrics = _run(GRPOLoss.Config(tis_cap=1.5))
+    loss, grad, metrics = _run(PolicyLoss.Config(tis_cap=1.5))
     # weights min(exp(trainer - generator), 1.5): 1.5, 0.625, 1; ratio vs own detached logprob = 1
     assert loss.item() == pytest.approx((-1.5 * 1 + 0.625 * 1 - 1 * 2) / 3, abs=1e-6)
     torch.testing.assert_close(grad, torch.tensor([-1.5 / 3, 0.625 / 3, -2.0 / 3, 0.0, 0.0]))
@@ -79,7 +79,7 @@ def test_trainer_loss_truncated_importance_sampling_weights_and_caps():
 
 def test_trainer_loss_clamps_the_log_ratio():
     logp = torch.zeros(1, 1, requires_grad=True)
-    loss, sums, _ = GRPOLoss.Config(log_ratio_clamp=10.0).build()(
+    loss, sums, _ = PolicyLoss.Config(log_ratio_clamp=10.0).build()(
         logp,
         generator_logprobs=torch.tensor([[-50.0]]),
         advantages=torch.tensor([[-1.0]]),
@@ -92,9 +92,9 @@ def test_trainer_loss_clamps_the_log_ratio():
 
 def test_trainer_loss_config_rejects_out_of_range_values():
     with pytest.raises(ValueError, match="clip_low must be in"):
-        GRPOLoss.Config(clip_low=1.5)
+        PolicyLoss.Config(clip_low=1.5)
     with pytest.raises(ValueError, match="tis_cap must be >= 1"):
-        GRPOLoss.Config(tis_cap=0.5)
+        PolicyLoss.Config(tis_cap=0.5)
 
 
 def test_token_logprobs_and_entropy_from_logits():

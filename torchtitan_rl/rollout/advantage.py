@@ -1,27 +1,47 @@
-"""Group-relative advantages: A_i = (r_i - mean(r)) / d, with d chosen by ``advantage_std``.
+"""Advantage estimators by name (``rollouter.advantage``): a group's rewards -> one advantage per
+rollout (and, with per-turn credit, per turn: the estimator sees each turn index's returns as a
+group). Let G be the number of rollouts that count and r the mean of their rewards r_i:
 
-    "sample"      d = sample std (Bessel's correction, n - 1) + eps: GRPO as verl and TRL compute it
-    "population"  d = population std (n) + eps: what this project computed before
-    "none"        d = 1: the mean baseline only (Dr. GRPO: no per-group std scaling)
+    "grpo"                   A_i = (r_i - r) / d   GRPO (Shao et al. 2024, DeepSeekMath); d by
+                                                   ``advantage_std``: "sample" (Bessel, + eps, as
+                                                   verl and TRL), "population" (n, + eps), "none"
+                                                   (d = 1: Dr. GRPO, Liu et al. 2025)
+    "rloo"                   A_i = r_i - mean_{j != i} r_j = G / (G - 1) (r_i - r)
+                                                   REINFORCE leave-one-out (Ahmadian et al. 2024)
+    "reinforce_pp"           A_i = r_i, then whitened over the step's batch
+                                                   REINFORCE++ (Hu et al. 2025)
+    "reinforce_pp_baseline"  A_i = r_i - r, then whitened over the step's batch
+                                                   REINFORCE++ with a group baseline
 
-Why the name matters: on a group of 4 rewards the two stds differ by sqrt(4/3) (15 %), and up to
-0.16 in advantage on random groups compared with verl; naming the choice makes a recipe portable.
+"Whitened over the step's batch" (``whiten_advantages``, applied by the loop to the samples a
+step trains on): every trained token's advantage minus the mean over the step's trained tokens,
+divided by their std (Bessel) + eps, as verl's ``masked_whiten``.
 
 Only the rollouts that count (``counted[i]``) enter the baseline; the others get None (no training).
 A group whose counted rewards have zero spread carries no learning signal ("zero_std"), and a group
-where nothing counts has none either ("all_errored"). A group with one counted reward has zero
-spread (its sample std is taken as 0, not undefined).
+where nothing counts has none either ("all_errored"); ``rollouter.drop_zero_std_groups`` drops
+such groups for every estimator (DAPO's dynamic-sampling filter). A group with one counted reward
+has zero spread.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
+from collections.abc import Callable, Sequence
 from typing import Literal
 
+from torchtitan_rl.types import TrainingSample
+
+AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 AdvantageStd = Literal["sample", "population", "none"]
 
 STD_EPS = 1e-6
 """Added to the group std before dividing, so a near-constant group does not blow up."""
+
+WHITEN_EPS = 1e-8
+"""Added to the batch variance before its square root (verl's masked_whiten)."""
 
 
 def group_std(values: list[float], kind: AdvantageStd) -> float:
@@ -31,25 +51,77 @@ def group_std(values: list[float], kind: AdvantageStd) -> float:
     return statistics.stdev(values) if kind == "sample" else statistics.pstdev(values)
 
 
+def grpo(values: list[float], advantage_std: AdvantageStd) -> list[float]:
+    mean = sum(values) / len(values)
+    std = group_std(values, advantage_std)
+    denom = std + STD_EPS if advantage_std != "none" else 1.0
+    return [(r - mean) / denom for r in values]
+
+
+def rloo(values: list[float], advantage_std: AdvantageStd) -> list[float]:
+    n = len(values)
+    if n < 2:
+        return [0.0] * n
+    total = sum(values)
+    return [r - (total - r) / (n - 1) for r in values]
+
+
+def reinforce_pp(values: list[float], advantage_std: AdvantageStd) -> list[float]:
+    return list(values)
+
+
+def reinforce_pp_baseline(values: list[float], advantage_std: AdvantageStd) -> list[float]:
+    mean = sum(values) / len(values)
+    return [r - mean for r in values]
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[list[float], AdvantageStd], list[float]]] = {
+    "grpo": grpo,
+    "rloo": rloo,
+    "reinforce_pp": reinforce_pp,
+    "reinforce_pp_baseline": reinforce_pp_baseline,
+}
+
+BATCH_WHITENED = frozenset({"reinforce_pp", "reinforce_pp_baseline"})
+"""Estimators whose group advantages the loop whitens over each step's batch."""
+
+
 def group_advantages(
-    rewards: list[float], counted: list[bool], *, advantage_std: AdvantageStd
+    rewards: list[float], counted: list[bool], *, advantage_std: AdvantageStd,
+    estimator: AdvantageEstimator = "grpo",
 ) -> tuple[list[float | None], str | None]:
     """(advantage per rollout, reason the group has no learning signal or None).
 
-    Example: rewards [1, 0, 0.5, 0.2], counted [T, T, T, F], advantage_std "none"
+    Example: rewards [1, 0, 0.5, 0.2], counted [T, T, T, F], grpo with advantage_std "none"
     -> mean 0.5 -> advantages [0.5, -0.5, 0.0, None], reason None. With "sample" the same group
-    divides by stdev([1, 0, 0.5]) = 0.5 (+1e-6): [~1.0, ~-1.0, 0.0, None].
+    divides by stdev([1, 0, 0.5]) = 0.5 (+1e-6): [~1.0, ~-1.0, 0.0, None]. rloo: [0.75, -0.75,
+    0.0, None].
     """
     if advantage_std not in ("sample", "population", "none"):
         raise ValueError(f"advantage_std must be 'sample', 'population' or 'none', got "
                          f"{advantage_std!r}")
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"advantage must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got "
+                         f"{estimator!r}")
     if len(rewards) != len(counted):
         raise ValueError(f"{len(rewards)} rewards but {len(counted)} counted flags")
     values = [r for r, c in zip(rewards, counted) if c]
     if not values:
         return [None] * len(rewards), "all_errored"
-    mean = sum(values) / len(values)
-    std = group_std(values, advantage_std)
-    denom = std + STD_EPS if advantage_std != "none" else 1.0
-    advantages = [(r - mean) / denom if c else None for r, c in zip(rewards, counted)]
-    return advantages, ("zero_std" if std == 0.0 else None)
+    computed = iter(ADVANTAGE_ESTIMATORS[estimator](values, advantage_std))
+    advantages = [next(computed) if c else None for c in counted]
+    return advantages, ("zero_std" if group_std(values, "population") == 0.0 else None)
+
+
+def whiten_advantages(samples: Sequence[TrainingSample]) -> list[TrainingSample]:
+    """Copies of ``samples`` whose trained tokens' advantages are whitened over all of them:
+    (A - mean) / sqrt(var + eps), var with Bessel's correction; untrained tokens keep 0."""
+    values = [a for s in samples for a, m in zip(s.advantages, s.loss_mask) if m]
+    if len(values) < 2:
+        return list(samples)
+    mean = math.fsum(values) / len(values)
+    var = math.fsum((a - mean) ** 2 for a in values) / (len(values) - 1)
+    scale = 1.0 / math.sqrt(var + WHITEN_EPS)
+    return [dataclasses.replace(s, advantages=[(a - mean) * scale if m else a
+                                               for a, m in zip(s.advantages, s.loss_mask)])
+            for s in samples]

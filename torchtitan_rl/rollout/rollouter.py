@@ -27,7 +27,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from torchtitan_rl.config.configurable import Configurable
-from torchtitan_rl.rollout.advantage import AdvantageStd, group_advantages
+from torchtitan_rl.rollout.advantage import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    AdvantageStd,
+    group_advantages,
+)
 from torchtitan_rl.rollout.agent_capture import EpisodeLimits
 from torchtitan_rl.rollout.agent_task import AgentEnv
 from torchtitan_rl.rollout.message_env import MessageEnv
@@ -77,8 +82,12 @@ class Rollouter(Configurable):
         `<think>` block). False: Qwen3's template ends the generation prompt with an empty
         think block, so replies start with the answer. Templates that do not read the
         variable (the project's own ChatML) render the same either way."""
+        advantage: AdvantageEstimator = "grpo"
+        """Advantage estimator (rollout/advantage.py): "grpo" (scaled by advantage_std), "rloo"
+        (leave-one-out baseline), "reinforce_pp" and "reinforce_pp_baseline" (REINFORCE++: no
+        baseline or the group mean, then whitened over each step's batch)."""
         advantage_std: AdvantageStd = "sample"
-        """How a group's advantages r_i - mean(r) are scaled. "sample": divided by the group
+        """How "grpo" scales a group's advantages r_i - mean(r). "sample": divided by the group
         reward std with Bessel's correction (n - 1), + 1e-6: GRPO as verl and TRL compute it.
         "population": divided by the std over n. "none": not scaled, the mean baseline only
         (Dr. GRPO)."""
@@ -127,6 +136,9 @@ class Rollouter(Configurable):
                 raise ValueError(
                     f"max_rollout_tokens must be >= 2, got {self.max_rollout_tokens}"
                 )
+            if self.advantage not in ADVANTAGE_ESTIMATORS:
+                raise ValueError(f"advantage must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got "
+                                 f"{self.advantage!r}")
             if self.credit not in ("rollout", "turn"):
                 raise ValueError(f"credit must be 'rollout' or 'turn', got {self.credit!r}")
             if not 0.0 <= self.turn_discount <= 1.0:
@@ -336,7 +348,7 @@ class Rollouter(Configurable):
             reached = [i for i, values in returns.items() if len(values) > t]
             advantages, no_signal = group_advantages(
                 [returns[i][t] for i in reached], [True] * len(reached),
-                advantage_std=self.config.advantage_std)
+                advantage_std=self.config.advantage_std, estimator=self.config.advantage)
             spread |= no_signal is None
             for i, advantage in zip(reached, advantages):
                 group.rollouts[i].turns[t].advantage = advantage
@@ -346,8 +358,8 @@ class Rollouter(Configurable):
         counted = [not r.status.is_error or self.config.error_reward is not None
                    for r in group.rollouts]
         advantages, no_signal = group_advantages(
-            group.rewards, counted, advantage_std=self.config.advantage_std
-        )
+            group.rewards, counted, advantage_std=self.config.advantage_std,
+            estimator=self.config.advantage)
         for rollout, advantage in zip(group.rollouts, advantages, strict=True):
             rollout.advantage = advantage
         if self.config.credit == "turn" and no_signal != "all_errored":

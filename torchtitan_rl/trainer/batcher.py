@@ -59,8 +59,12 @@ class TrainingBatch:
     """float32 advantage of the target token (0 where not trained)."""
     policy_versions: torch.Tensor
     """int64 policy version that sampled the target token (-1 where not trained)."""
+    sequence_valid_tokens: torch.Tensor
+    """int64 valid tokens of the position's sample (0 on padding): T_i of the seq-mean losses."""
     num_valid_tokens: int
     """Trained tokens with a finite generator logprob in the whole grid: the loss denominator."""
+    num_valid_sequences: int
+    """Samples with at least one valid token in the whole grid."""
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     """``batcher/*`` counters for this batch."""
 
@@ -78,7 +82,7 @@ class TrainingBatch:
             field: getattr(self, field)[index, dp_rank]
             for field in (
                 "input_ids", "positions", "document_ids", "labels", "loss_mask",
-                "generator_logprobs", "advantages", "policy_versions",
+                "generator_logprobs", "advantages", "policy_versions", "sequence_valid_tokens",
             )
         }
 
@@ -145,7 +149,13 @@ class Batcher(Configurable):
         shape = (num_microbatches, self.dp_size, self.config.rows_per_microbatch, seq_len)
         tensors = {name: t.reshape(shape) for name, t in grid.items()}
         real_tokens = sum(samples[i].num_tokens for i in kept)
-        num_valid = int((tensors["loss_mask"] & torch.isfinite(tensors["generator_logprobs"])).sum())
+        valid = tensors["loss_mask"] & torch.isfinite(tensors["generator_logprobs"])
+        num_valid = int(valid.sum())
+        per_sample = torch.bincount(tensors["document_ids"][valid], minlength=max(len(samples), 1))
+        documents = tensors["document_ids"].clamp(min=0)
+        tensors["sequence_valid_tokens"] = torch.where(
+            tensors["document_ids"] >= 0, per_sample[documents], 0)
+        num_sequences = int((per_sample > 0).sum())
         metrics = {
             "batcher/pct_pad_in_batch": 100.0 * (1 - real_tokens / (num_grid_rows * seq_len)),
             "batcher/num_samples": float(len(kept)),
@@ -154,7 +164,8 @@ class Batcher(Configurable):
             "batcher/num_microbatches": float(num_microbatches),
             "batcher/num_valid_tokens": float(num_valid),
         }
-        return TrainingBatch(**tensors, num_valid_tokens=num_valid, metrics=metrics)
+        return TrainingBatch(**tensors, num_valid_tokens=num_valid,
+                             num_valid_sequences=num_sequences, metrics=metrics)
 
 
 def _empty_grid(num_rows: int, seq_len: int, pad_token_id: int) -> dict[str, torch.Tensor]:

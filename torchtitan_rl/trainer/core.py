@@ -39,7 +39,7 @@ from torchtitan_rl.trainer.flops import UtilizationMeter
 from torchtitan_rl.trainer.loss import (
     MAX_KEYS,
     SUM_KEYS,
-    GRPOLoss,
+    PolicyLoss,
     finalize_loss_metrics,
     token_logprobs_and_entropy,
 )
@@ -102,7 +102,7 @@ class PolicyTrainerCore(Configurable):
         num_threads: int | None = None
         """torch intra-op threads of this rank; None leaves torch's default. On a small CPU box
         give each rank cores / ranks (spinning OpenMP threads on shared cores stall training)."""
-        loss: GRPOLoss.Config = dataclasses.field(default_factory=GRPOLoss.Config)
+        loss: PolicyLoss.Config = dataclasses.field(default_factory=PolicyLoss.Config)
         debug_batch_log: str = ""
         """Debugging and tests ("" = off): a JSONL file, one line per microbatch each rank trains
         on: input_ids, positions, document_ids, loss_mask, advantages (trainer/batch_log.py)."""
@@ -169,6 +169,12 @@ class PolicyTrainerCore(Configurable):
                 f"{config.data_parallel_shard_degree}"
             )
         self.model = self._build_model()
+        self.reference_model: torch.nn.Module | None = None
+        """The starting policy, frozen (``loss.kl_coef > 0``): rebuilt from the same source on
+        resume, so checkpoints do not hold it."""
+        if config.loss.uses_reference_model:
+            torch.manual_seed(config.seed)  # a flavor's reference is its policy's initialisation
+            self.reference_model = self._build_model().eval().requires_grad_(False)
         self.loss_fn = config.loss.build()
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(
@@ -220,13 +226,24 @@ class PolicyTrainerCore(Configurable):
             with self._autocast():
                 logits = self._logits(data["input_ids"], data["positions"])
             logprobs, entropy = token_logprobs_and_entropy(logits, data["labels"])
+            reference_logprobs = None
+            if self.reference_model is not None:
+                with torch.no_grad(), self._autocast():
+                    reference_logits = self._logits(data["input_ids"], data["positions"],
+                                                    model=self.reference_model)
+                reference_logprobs, _ = token_logprobs_and_entropy(reference_logits,
+                                                                   data["labels"])
             loss, mb_sums, mb_max = self.loss_fn(
                 logprobs,
                 generator_logprobs=data["generator_logprobs"],
                 advantages=data["advantages"],
                 loss_mask=data["loss_mask"],
                 num_global_valid_tokens=batch.num_valid_tokens,
+                num_global_valid_sequences=batch.num_valid_sequences,
+                document_ids=data["document_ids"],
+                sequence_valid_tokens=data["sequence_valid_tokens"],
                 entropy=entropy,
+                reference_logprobs=reference_logprobs,
             )
             if nan_loss_due(self.policy_version):  # fault injection (tests)
                 loss = loss * float("nan")
@@ -373,13 +390,15 @@ class PolicyTrainerCore(Configurable):
             parallelize_model(model, self.parallel_dims, param_dtype=self.compute_dtype)
         return model
 
-    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                model: torch.nn.Module | None = None) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
         from torchtitan_rl.models.qwen3 import model_attention_masks
 
-        masks = model_attention_masks(self.model, positions)
-        logits = self.model(input_ids, positions, masks)
+        model = self.model if model is None else model
+        masks = model_attention_masks(model, positions)
+        logits = model(input_ids, positions, masks)
         if isinstance(logits, DTensor):  # TP: vocab-sharded logits, gathered for the loss
             logits = logits.full_tensor()
         return logits

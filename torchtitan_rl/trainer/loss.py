@@ -1,11 +1,16 @@
-"""GRPO clipped surrogate on per-token logprobs, with DAPO clip-higher and truncated importance sampling.
+"""The step's policy loss: a per-token loss by name (policy_losses.py), weighted for truncated
+importance sampling, aggregated over tokens and sequences, plus an optional KL term (kl.py).
 
-Per valid token t (loss_mask = 1 and a finite generator logprob):
+Per valid token t (loss_mask = 1 and a finite generator logprob) of sequence i:
 
     log_ratio_t = clamp(logp_t - ref_t, -log_ratio_clamp, log_ratio_clamp)
-    ratio_t     = exp(log_ratio_t)
-    surrogate_t = -min(ratio_t * A_t, clamp(ratio_t, 1 - clip_low, 1 + clip_high) * A_t) * w_t
-    loss        = sum_t surrogate_t / num_global_valid_tokens
+    l_t         = POLICY_LOSSES[policy_loss](log_ratio_t, A_t) * w_t  (+ kl_coef * KL_t)
+    loss        = sum_t c_t l_t,  c_t from ``aggregation``:
+
+    token-mean               c_t = 1 / N_tokens               (GRPO as verl, DAPO)
+    seq-mean-token-sum       c_t = 1 / N_seqs
+    seq-mean-token-mean      c_t = 1 / (N_seqs * T_i)          (GRPO as published, GSPO)
+    seq-mean-token-sum-norm  c_t = 1 / (N_seqs * L)            (Dr. GRPO: L a constant length)
 
 * ``ref_t`` is the generator's logprob, and ``w_t = 1`` (plain GRPO / DAPO).
 * With ``tis_cap`` set (truncated importance sampling, Yao et al. 2025, as verl's TIS): the
@@ -13,9 +18,11 @@ Per valid token t (loss_mask = 1 and a finite generator logprob):
   and the PPO ratio is taken against the trainer's own detached logprob (``ref_t = logp_t``), so one
   optimizer step per batch gives ``-w_t A_t grad logp_t``.
 
-``num_global_valid_tokens`` counts valid tokens over every microbatch and data-parallel rank of the
-step, so summing per-microbatch losses (and gradients over ranks) gives one big batch's loss.
-Tokens with a non-finite generator logprob are left out of loss and denominator and counted.
+``N_tokens`` and ``N_seqs`` count valid tokens and sequences (training samples with a valid token)
+over every microbatch and data-parallel rank of the step, and ``T_i`` is sequence i's valid tokens
+(a sequence sits whole in one row), so summing per-microbatch losses (and gradients over ranks)
+gives one big batch's loss. Tokens with a non-finite generator logprob are left out of loss and
+counts and are counted.
 
 The loss also returns *sums* (numerators) and *maxima* that the trainer adds over microbatches,
 all-reduces over data-parallel ranks (SUM / MAX), then turns into metrics with
@@ -31,10 +38,14 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.trainer.kl import KLEstimator, token_kl
+from torchtitan_rl.trainer.policy_losses import POLICY_LOSSES, PolicyLossName
 
-# Keys of the sums GRPOLoss returns; finalize_loss_metrics divides them by the right count.
+# Keys of the sums PolicyLoss returns; finalize_loss_metrics divides them by the right count.
 SUM_KEYS = (
     "loss",
+    "objective",
+    "kl",
     "ratio",
     "clipped",
     "clipped_low",
@@ -50,15 +61,31 @@ SUM_KEYS = (
 )
 MAX_KEYS = ("abs_logprob_diff",)
 
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"]
 
-class GRPOLoss(Configurable):
+
+class PolicyLoss(Configurable):
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(Configurable.Config):
+        policy_loss: PolicyLossName = "ppo_clip"
+        """Per-token loss (trainer/policy_losses.py): "ppo_clip" (PPO/GRPO/DAPO), "gspo" (one
+        length-normalised ratio per sequence), "cispo" (clipped detached importance weight)."""
+        aggregation: Aggregation = "token-mean"
+        """How per-token losses add up to the step's loss: "token-mean" over every valid token of
+        the step; "seq-mean-token-sum", "seq-mean-token-mean" (each sequence's mean, then the mean
+        over sequences), "seq-mean-token-sum-norm" (each sequence's sum / norm_length, mean over
+        sequences: Dr. GRPO)."""
+        norm_length: int = 0
+        """L of "seq-mean-token-sum-norm"; 0: the batch's row length (batcher.seq_len). >= 0."""
         clip_low: float = 0.2
-        """Lower PPO clip: the ratio is clamped to >= 1 - clip_low. In [0, 1)."""
+        """Lower clip: the ratio is clamped to >= 1 - clip_low. In [0, 1)."""
         clip_high: float = 0.2
-        """Upper PPO clip: the ratio is clamped to <= 1 + clip_high. > clip_low is DAPO's
+        """Upper clip: the ratio is clamped to <= 1 + clip_high. > clip_low is DAPO's
         clip-higher (e.g. 0.28). >= 0."""
+        clip_ratio_c: float | None = None
+        """Dual-clip bound c for "ppo_clip" (e.g. 3.0): a negative-advantage token's loss is at
+        most -c * A. None disables. > 1."""
         log_ratio_clamp: float = 10.0
         """|log ratio| is clamped to this before exp() so a large mismatch cannot overflow. > 0."""
         tis_cap: float | None = None
@@ -71,21 +98,50 @@ class GRPOLoss(Configurable):
         gradient is the plain policy gradient, independent of the generator's numerics. vLLM's
         CPU logprobs differ in the last bits with how requests were batched (measured ~5e-7), so
         this is the setting under which runs are bit-reproducible (resume, staleness 0 == sync)."""
+        kl_coef: float = 0.0
+        """beta of a KL(policy || reference) loss term, aggregated like the policy loss; the
+        reference is the model the run started from, frozen, on the trainer ranks. 0: off (no
+        reference model is built). >= 0."""
+        kl_estimator: KLEstimator = "k3"
+        """Per-token KL estimator (trainer/kl.py): "k1", "k2" or "k3" (low variance, >= 0)."""
 
         def __post_init__(self) -> None:
+            if self.policy_loss not in POLICY_LOSSES:
+                raise ValueError(f"loss.policy_loss must be one of {sorted(POLICY_LOSSES)}, got "
+                                 f"{self.policy_loss!r}")
+            if self.aggregation not in AGGREGATIONS:
+                raise ValueError(f"loss.aggregation must be one of {sorted(AGGREGATIONS)}, got "
+                                 f"{self.aggregation!r}")
             if not 0 <= self.clip_low < 1:
                 raise ValueError(f"loss.clip_low must be in [0, 1), got {self.clip_low}")
             if self.clip_high < 0:
                 raise ValueError(f"loss.clip_high must be >= 0, got {self.clip_high}")
+            if self.clip_ratio_c is not None and (self.clip_ratio_c <= 1
+                                                  or self.policy_loss != "ppo_clip"):
+                raise ValueError(f"loss.clip_ratio_c (dual clip) must be > 1 and needs policy_loss "
+                                 f"'ppo_clip', got {self.clip_ratio_c} with "
+                                 f"{self.policy_loss!r}")
             if self.log_ratio_clamp <= 0:
                 raise ValueError(
                     f"loss.log_ratio_clamp must be > 0, got {self.log_ratio_clamp}"
                 )
             if self.tis_cap is not None and self.tis_cap < 1:
                 raise ValueError(f"loss.tis_cap must be >= 1 or None, got {self.tis_cap}")
+            if self.norm_length < 0:
+                raise ValueError(f"loss.norm_length must be >= 0, got {self.norm_length}")
+            if not self.kl_coef >= 0:
+                raise ValueError(f"loss.kl_coef must be >= 0, got {self.kl_coef}")
+            if self.kl_estimator not in ("k1", "k2", "k3"):
+                raise ValueError(f"loss.kl_estimator must be 'k1', 'k2' or 'k3', got "
+                                 f"{self.kl_estimator!r}")
+
+        @property
+        def uses_reference_model(self) -> bool:
+            return self.kl_coef > 0
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        self.policy_loss = POLICY_LOSSES[config.policy_loss]
 
     def __call__(
         self,
@@ -95,17 +151,28 @@ class GRPOLoss(Configurable):
         advantages: torch.Tensor,
         loss_mask: torch.Tensor,
         num_global_valid_tokens: int,
+        num_global_valid_sequences: int = 0,
+        document_ids: torch.Tensor | None = None,
+        sequence_valid_tokens: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
+        reference_logprobs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Loss of one microbatch and its metric sums and maxima.
 
         Args:
-            trainer_logprobs: [...] logprob of each target token under the current policy (grad).
+            trainer_logprobs: [..., seq_len] logprob of each target token under the current
+                policy (grad).
             generator_logprobs: [...] logprob the generator reported (may hold NaN/inf).
             advantages: [...] per-token advantage (0 where not trained).
             loss_mask: [...] bool or {0, 1}: tokens the policy sampled.
             num_global_valid_tokens: valid tokens of the whole step (all microbatches, all ranks).
+            num_global_valid_sequences: sequences with a valid token in the whole step (needed
+                by the seq-mean aggregations).
+            document_ids: [...] the sequence each token belongs to (GSPO and seq-mean; a
+                sequence's tokens are all in this microbatch).
+            sequence_valid_tokens: [...] valid tokens of each token's sequence (seq-mean-token-mean).
             entropy: [...] optional per-token entropy of the current policy (no grad).
+            reference_logprobs: [...] the reference policy's logprobs (needed when kl_coef > 0).
 
         Returns:
             (loss, sums, maxima): loss is this microbatch's share of the step loss.
@@ -128,20 +195,38 @@ class GRPOLoss(Configurable):
 
         log_ratio = torch.where(valid, logp - reference, zeros)
         log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-        ratio = torch.exp(log_ratio)
-        clipped_ratio = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
-        adv = advantages.float()
-        surrogate = -torch.minimum(ratio * adv, clipped_ratio * adv) * weight
-        surrogate = torch.where(valid, surrogate, zeros)
-        loss = surrogate.sum() / max(int(num_global_valid_tokens), 1)
+        if document_ids is None:
+            if cfg.policy_loss == "gspo" or cfg.aggregation != "token-mean":
+                raise ValueError(f"loss {cfg.policy_loss!r} with aggregation "
+                                 f"{cfg.aggregation!r} needs document_ids")
+            document_ids = torch.zeros_like(loss_mask, dtype=torch.int64)
+        surrogate, clipped_low, clipped_high = self.policy_loss(
+            log_ratio, advantages.float(), valid=valid, document_ids=document_ids, clip=cfg)
+        surrogate = torch.where(valid, surrogate * weight, zeros)
+        coefficient = _aggregation_coefficient(
+            cfg, valid=valid, row_length=logp.shape[-1],
+            num_tokens=num_global_valid_tokens, num_sequences=num_global_valid_sequences,
+            sequence_valid_tokens=sequence_valid_tokens)
+        if coefficient is None:  # token-mean, as one division (the default's bits unchanged)
+            loss = surrogate.sum() / max(int(num_global_valid_tokens), 1)
+        else:
+            loss = (surrogate * coefficient).sum()
+        kl = zeros
+        if cfg.kl_coef > 0:
+            if reference_logprobs is None:
+                raise ValueError("loss.kl_coef > 0 needs the reference model's logprobs")
+            kl = torch.where(valid, token_kl(logp, reference_logprobs, cfg.kl_estimator), zeros)
+            kl_weight = (coefficient if coefficient is not None
+                         else 1.0 / max(int(num_global_valid_tokens), 1))
+            loss = loss + cfg.kl_coef * (kl * kl_weight).sum()
 
         with torch.no_grad():
             validf = valid.float()
-            # A token counts as clipped when the clipped branch is the one min() picked.
-            clipped_low = (ratio < 1 - cfg.clip_low) & (adv < 0) & valid
-            clipped_high = (ratio > 1 + cfg.clip_high) & (adv > 0) & valid
+            ratio = torch.exp(log_ratio)
             sums = {
                 "loss": surrogate.sum().detach(),
+                "objective": loss.detach(),
+                "kl": kl.detach().sum(),
                 "ratio": (ratio * validf).sum(),
                 "clipped": (clipped_low | clipped_high).float().sum(),
                 "clipped_low": clipped_low.float().sum(),
@@ -163,14 +248,41 @@ class GRPOLoss(Configurable):
         return loss, sums, maxima
 
 
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                "seq-mean-token-sum-norm")
+
+
+def _aggregation_coefficient(cfg: PolicyLoss.Config, *, valid: torch.Tensor, row_length: int,
+                             num_tokens: int, num_sequences: int,
+                             sequence_valid_tokens: torch.Tensor | None) -> torch.Tensor | None:
+    """c_t of the module docstring on valid tokens (0 elsewhere); None for token-mean."""
+    if cfg.aggregation == "token-mean":
+        return None
+    if num_sequences < 1 and bool(valid.any()):
+        raise ValueError(f"aggregation {cfg.aggregation!r} needs num_global_valid_sequences")
+    per_sequence = 1.0 / max(int(num_sequences), 1)
+    if cfg.aggregation == "seq-mean-token-sum":
+        scale = torch.full(valid.shape, per_sequence, device=valid.device)
+    elif cfg.aggregation == "seq-mean-token-sum-norm":
+        scale = torch.full(valid.shape, per_sequence / (cfg.norm_length or row_length),
+                           device=valid.device)
+    else:
+        if sequence_valid_tokens is None:
+            raise ValueError("aggregation 'seq-mean-token-mean' needs sequence_valid_tokens")
+        scale = per_sequence / sequence_valid_tokens.float().clamp(min=1)
+    return torch.where(valid, scale, torch.zeros_like(scale))
+
+
 def finalize_loss_metrics(
     sums: dict[str, float], maxima: dict[str, float]
 ) -> dict[str, float]:
-    """Metrics of a step from its reduced sums and maxima (see GRPOLoss.__call__)."""
+    """Metrics of a step from its reduced sums and maxima (see PolicyLoss.__call__)."""
     num_valid = max(sums["num_valid_tokens"], 1.0)
     num_loss = max(sums["num_loss_tokens"], 1.0)
     return {
         "loss/value": sums["loss"] / num_valid,
+        "loss/objective": sums["objective"],
+        "loss/kl_mean": sums["kl"] / num_valid,
         "loss/ratio_mean": sums["ratio"] / num_valid,
         "loss/clipped_frac": sums["clipped"] / num_valid,
         "loss/clipped_low_frac": sums["clipped_low"] / num_valid,

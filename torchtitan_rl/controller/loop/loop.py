@@ -52,6 +52,7 @@ from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.generator import GeneratorLostError
 from torchtitan_rl.metrics.logger import MetricsLogger
 from torchtitan_rl.rollout import rollout_group_to_training_samples, rollout_metrics
+from torchtitan_rl.rollout.advantage import BATCH_WHITENED, whiten_advantages
 from torchtitan_rl.rollout.recorder import RolloutRecorder
 from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.rollout.types import RolloutGroup
@@ -285,6 +286,8 @@ class TrainingLoop(Configurable):
         results = [result for _, _, result in taken]
         groups = [r.group for r in results if r.group is not None]
         samples = [s for r in results for s in r.finished.samples]
+        if parts.rollouter.config.advantage in BATCH_WHITENED:
+            samples = whiten_advantages(samples)
         group_ids = [g for g, _, _ in taken]
 
         train_metrics = await parts.trainer.train_step(samples, step)
