@@ -15,8 +15,9 @@ from torchtitan_rl.task import TaskConfig
 
 
 class LetterEnv(MessageEnv):
-    def __init__(self, prompt: str) -> None:
+    def __init__(self, prompt: str, constant_reward: float | None = None) -> None:
         self.prompt = prompt
+        self.constant_reward = constant_reward
 
     async def init(self) -> list[Message]:
         return [{"role": "user", "content": self.prompt}]
@@ -25,6 +26,8 @@ class LetterEnv(MessageEnv):
         return EnvStep(done=True)
 
     def score(self, replies: list[str], reward_parts: list[dict[str, float]]) -> float:
+        if self.constant_reward is not None:
+            return self.constant_reward
         letters = [c for c in "".join(replies).lower() if c.isalpha()]
         return sum(c <= "m" for c in letters) / len(letters) if letters else 0.0
 
@@ -34,6 +37,9 @@ class LetterTask(Configurable):
     class Config(TaskConfig):
         num_prompts: int = 64
         system_prompt: str | None = None
+        constant_reward_every: int = 0
+        """Prompts whose index is a multiple of this score 0.5 whatever the reply: their groups
+        carry no signal (dynamic sampling's real-stack test). 0: none."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -42,4 +48,6 @@ class LetterTask(Configurable):
         return [f"Write words, {split} prompt {i}:" for i in range(self.config.num_prompts)]
 
     def make_env(self, prompt: str) -> LetterEnv:
-        return LetterEnv(prompt)
+        every = self.config.constant_reward_every
+        index = int(prompt.rstrip(":").rsplit(" ", 1)[1])
+        return LetterEnv(prompt, 0.5 if every and index % every == 0 else None)

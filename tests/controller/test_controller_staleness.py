@@ -85,3 +85,80 @@ def test_finished_groups_overtake_stragglers_within_the_bound():
         order = [g for s in steps for g, _ in sorted(s)]
         overtakes += sum(1 for a, b in zip(order, order[1:]) if b < a)
     assert overtakes > 0  # the long tail does not hold finished groups back
+
+
+async def _simulate_dynamic_sampling(max_staleness: int, groups_per_step: int, num_steps: int,
+                                     seed: int, replacements: int, dropped: set[int]):
+    """As _simulate, with dynamic sampling: groups in ``dropped`` finish without a signal.
+    Returns per-step taken group ids and the ids replaced."""
+    rng = random.Random(seed)
+    gate = StalenessGate.Config(max_staleness=max_staleness).build(
+        groups_per_step=groups_per_step, replacements_per_version=replacements)
+    running: list[int] = []
+    steps: list[list[tuple[int, int]]] = []
+    replaced: list[int] = []
+
+    async def trainer() -> None:
+        for step in range(num_steps):
+            taken = await gate.take_step_groups(step)
+            steps.append([(g, v) for g, v, _ in taken])
+            await gate.publish_version(step + 1)
+
+    train_task = asyncio.create_task(trainer())
+    while not train_task.done():
+        while gate.can_admit() and gate.num_admitted_live < num_steps * groups_per_step:
+            group_id, _ = await gate.admit()
+            running.append(group_id)
+        if running:
+            group_id = running.pop(rng.randrange(len(running)))
+            if await gate.finish(group_id, f"g{group_id}", replaceable=group_id in dropped):
+                replaced.append(group_id)
+        await asyncio.sleep(0)  # let the trainer task run (a scheduling point, not a wait on time)
+    await train_task
+    return steps, replaced
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 3])
+@pytest.mark.parametrize("seed", range(4))
+def test_dynamic_sampling_replaces_dropped_groups_within_the_staleness_bound(max_staleness, seed):
+    P, num_steps = 3, 10
+    dropped = set(random.Random(100 + seed).sample(range(80), 30))  # ~40 % carry no signal
+    steps, replaced = asyncio.run(asyncio.wait_for(_simulate_dynamic_sampling(
+        max_staleness, P, num_steps, seed, replacements=100, dropped=dropped), timeout=30))
+    consumed = [g for step in steps for g, _ in step]
+    assert len(consumed) == len(set(consumed)) == num_steps * P
+    assert not set(consumed) & dropped  # no step trains a group without a signal
+    assert set(replaced) == dropped & set(range(max(consumed) + 1))  # each dropped one replaced
+    everything = set(consumed) | set(replaced)
+    assert len(everything) == len(consumed) + len(replaced)  # nothing lost, nothing twice
+    for step_index, step in enumerate(steps):
+        assert len(step) == P
+        for _, admit_version in step:
+            assert step_index <= admit_version + max_staleness
+
+
+@pytest.mark.parametrize("replacements", [1, 2, 100])
+def test_dynamic_sampling_at_s0_trains_the_same_groups_in_any_finish_order(replacements):
+    P, num_steps = 4, 6
+    dropped = set(random.Random(7).sample(range(60), 25))
+    runs = [asyncio.run(asyncio.wait_for(_simulate_dynamic_sampling(
+        0, P, num_steps, seed, replacements=replacements, dropped=dropped), timeout=30))
+        for seed in range(5)]
+    kept = [[sorted(g for g, _ in step if g not in dropped) for step in steps]
+            for steps, _ in runs]
+    assert all(k == kept[0] for k in kept)  # what a step trains does not depend on the order
+    for steps, replaced in runs:
+        per_step = [len([g for g, _ in step if g in dropped]) for step in steps]
+        # a dropped group is trained (as nothing) only once the step's replacements ran out
+        if replacements == 100:
+            assert per_step == [0] * num_steps
+        else:
+            assert len(replaced) <= replacements * num_steps
+            assert any(per_step)
+
+
+def test_dynamic_sampling_off_counts_dropped_groups_toward_the_step():
+    steps, replaced = asyncio.run(asyncio.wait_for(_simulate_dynamic_sampling(
+        0, 2, 3, 0, replacements=0, dropped={0, 3}), timeout=30))
+    assert replaced == []
+    assert [[g for g, _ in step] for step in steps] == [[0, 1], [2, 3], [4, 5]]

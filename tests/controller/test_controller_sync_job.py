@@ -156,6 +156,15 @@ def test_a_task_defined_only_in_tests_runs_a_real_job_from_a_toml_file(letters_t
     rollouts = [json.loads(line) for line in recorded.splitlines()]
     assert all(r["advantage"] == r["reward"] for r in rollouts if not r["group_dropped"])
     assert all(math.isfinite(metrics[step]["loss/objective"]) for step in (0, 1))
+    # Dynamic sampling: every other prompt's group has no signal; each was replaced, none trained.
+    trained = [json.loads(line) for line in (run_dir / "trained_samples.jsonl").read_text(
+        ).splitlines()]
+    replaced = [g for record in trained for g in record["replaced_group_ids"]]
+    assert replaced and metrics[1]["async/groups_replaced"] == len(replaced)
+    assert metrics[1]["async/groups_dropped"] == len(replaced)
+    assert all(len(record["group_ids"]) == 2 for record in trained)
+    assert all(r["group_dropped"] is None for r in rollouts)
+    assert not {r["group_id"] for r in rollouts} & set(replaced)
 
 
 @pytest.mark.slow

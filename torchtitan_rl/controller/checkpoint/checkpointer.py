@@ -74,6 +74,8 @@ class ControllerState:
     finished: list[FinishedGroup] = dataclasses.field(default_factory=list)
     trained_group_ids: list[int] = dataclasses.field(default_factory=list)
     """Every group consumed by a training step so far, in order (for the loses-nothing proof)."""
+    replaced_group_ids: list[int] = dataclasses.field(default_factory=list)
+    """Groups dropped without a signal and replaced by new ones (``loop.replace_dropped_groups``)."""
     reward_history: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     validation_history: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
     """(step, reward mean, stderr)."""

@@ -150,6 +150,12 @@ class TrainingLoop(Configurable):
         training can be off-policy (max_staleness >= 1), else none."""
         tis_cap: float = 2.0
         """The cap used by truncated importance sampling. >= 1."""
+        replace_dropped_groups: int = 0
+        """Dynamic sampling (DAPO): up to this many groups a step, dropped for carrying no signal
+        (``rollouter.drop_zero_std_groups``), are replaced by new groups, so a step trains on
+        ``groups_per_step`` groups that all carry one; past it a dropped group counts toward its
+        step (trains nothing). 0: off, a step trains on the groups it got. Counted in
+        ``async/groups_replaced``; the replaced ids are in trained_samples.jsonl."""
         max_skipped_steps_in_row: int = 3
         """A step whose loss or gradient norm is not finite keeps the weights (no optimizer step,
         no push; counted in trainer/num_skipped_steps); this many in a row fail the run."""
@@ -161,6 +167,9 @@ class TrainingLoop(Configurable):
                 raise ValueError(f"groups_per_step must be >= 1, got {self.groups_per_step}")
             if self.tis_cap < 1:
                 raise ValueError(f"tis_cap must be >= 1, got {self.tis_cap}")
+            if self.replace_dropped_groups < 0:
+                raise ValueError(f"replace_dropped_groups must be >= 0, got "
+                                 f"{self.replace_dropped_groups}")
             if self.max_skipped_steps_in_row < 1:
                 raise ValueError(f"max_skipped_steps_in_row must be >= 1, got "
                                  f"{self.max_skipped_steps_in_row}")
@@ -184,6 +193,7 @@ class TrainingLoop(Configurable):
         self.gate: StalenessGate[_GroupResult] = config.staleness.build(
             groups_per_step=config.groups_per_step, version=state.step,
             first_group_id=state.next_group_id,
+            replacements_per_version=config.replace_dropped_groups,
         )
         self.train_episodes = parts.task.dataset("train")
         assert parts.generators.router is not None, "the pool spawned its generators"
@@ -193,6 +203,8 @@ class TrainingLoop(Configurable):
         self.num_groups_restarted = 0
         self._cpu_mark = 0.0
         """The controller's CPU time (time.process_time) where the next step's window starts."""
+        self._replaced_since_step: list[int] = []
+        """Groups replaced (dynamic sampling) since the last step's log line."""
         self._tasks: set[asyncio.Task] = set()
         self._failure: BaseException | None = None
         self._stopping = False
@@ -222,9 +234,10 @@ class TrainingLoop(Configurable):
 
     # ---- producer --------------------------------------------------------------------------------
     async def _produce(self) -> None:
+        # Until cancelled at the run's end: a group replaced late (dynamic sampling) frees a slot.
         total_groups = self.config.num_steps * self.config.groups_per_step
-        while self.gate.next_group_id < total_groups:
-            group_id, version = await self.gate.admit()
+        while True:
+            group_id, version = await self.gate.admit(limit=total_groups)
             self._launch(group_id, version)
 
     def _launch(self, group_id: int, version: int) -> None:
@@ -259,7 +272,10 @@ class TrainingLoop(Configurable):
         self.num_dropped += group.dropped
         finished = FinishedGroup(group_id=group_id, admit_version=admit_version, samples=samples,
                                  rewards=group.rewards, dropped=group.dropped)
-        await self.gate.finish(group_id, _GroupResult(finished=finished, group=group))
+        if await self.gate.finish(group_id, _GroupResult(finished=finished, group=group),
+                                  replaceable=group.dropped):
+            self.state.replaced_group_ids.append(group_id)
+            self._replaced_since_step.append(group_id)
         maybe_kill("kill_controller_after_groups", self.num_finished)
 
     async def _run_group(self, group_id: int,
@@ -399,6 +415,7 @@ class TrainingLoop(Configurable):
             "async/groups_finished": float(self.num_finished),
             "async/groups_trained": float(self.gate.num_consumed),
             "async/groups_dropped": float(self.num_dropped),
+            "async/groups_replaced": float(self.gate.num_replaced),
             "async/groups_in_flight": float(self.gate.num_running),
             "async/admit_age_max": float(max(step - v for _, v, _ in taken)),
         }
@@ -430,9 +447,12 @@ class TrainingLoop(Configurable):
 
     # ---- the trained-samples log: which groups and samples every step trained on -----------------
     def _log_trained(self, step: int, group_ids: list[int], samples: list) -> None:
+        record: dict[str, Any] = {"step": step, "group_ids": group_ids,
+                                  "sample_ids": [s.sample_id for s in samples]}
+        if self.config.replace_dropped_groups:
+            record["replaced_group_ids"], self._replaced_since_step = self._replaced_since_step, []
         with self.parts.checkpointer.trained_log_path.open("a") as f:
-            f.write(json.dumps({"step": step, "group_ids": group_ids,
-                                "sample_ids": [s.sample_id for s in samples]}) + "\n")
+            f.write(json.dumps(record) + "\n")
 
     # ---- checkpoint / resume ---------------------------------------------------------------------
     def _capture_groups(self) -> None:
@@ -454,7 +474,7 @@ class TrainingLoop(Configurable):
         if state.finished or state.in_flight:
             logger.info("resumed %d finished and %d in-flight groups", len(state.finished),
                         len(state.in_flight))
-        known = set(state.trained_group_ids) | {f.group_id for f in state.finished} | {
-            g for g, _ in state.in_flight}
+        known = (set(state.trained_group_ids) | set(state.replaced_group_ids)
+                 | {f.group_id for f in state.finished} | {g for g, _ in state.in_flight})
         missing = sorted(set(range(state.next_group_id)) - known)
         assert not missing, f"checkpoint lost track of groups {missing[:10]}"

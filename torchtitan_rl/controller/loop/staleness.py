@@ -24,9 +24,19 @@ exactly groups ``t*P .. (t+1)*P - 1`` at version t and step t consumes exactly t
 synchronous loop, step for step. (The capacity formula is SkyRL's ``accepted + running <=
 (S + step + 1) * B``; the "due" rule turns its aggregate bound into a per-group one.)
 
+Dynamic sampling (DAPO's, ``replacements_per_version`` > 0): a group that finishes without a
+learning signal (``finish(..., replaceable=True)``) leaves the gate at once, uncounted, and frees
+its slot, so the producer admits a new group at the current version in its place; at most
+``replacements_per_version`` such groups while the generators serve one version, after which a
+dropped group counts toward its step as it does without replacement. The replaced groups drop out
+of every count above (capacity: ``num_admitted - num_replaced``), so the guarantee holds as
+stated. With S = 0 the groups a step trains are the first ones (by id) of version t that have a
+signal, whatever order the groups finish in; only which dropped group stays once the
+replacements run out depends on that order, and it trains nothing.
+
 Invariant of the counters, checked on every event::
 
-    num_admitted == num_running + num_finished_waiting + num_consumed
+    num_admitted == num_running + num_finished_waiting + num_consumed + num_replaced
 """
 
 from __future__ import annotations
@@ -67,7 +77,7 @@ class StalenessGate(Configurable, Generic[ResultT]):
                 raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
 
     def __init__(self, config: Config, *, groups_per_step: int, version: int = 0,
-                 first_group_id: int = 0) -> None:
+                 first_group_id: int = 0, replacements_per_version: int = 0) -> None:
         if groups_per_step < 1:
             raise ValueError(f"groups_per_step must be >= 1, got {groups_per_step}")
         self.config = config
@@ -76,6 +86,10 @@ class StalenessGate(Configurable, Generic[ResultT]):
         """t: steps published to the generators."""
         self.num_consumed = version * groups_per_step
         self.num_admitted = self.num_consumed
+        self.num_replaced = 0
+        """Groups that left without a signal and were replaced (dynamic sampling)."""
+        self.replacements_per_version = replacements_per_version
+        self._replacements_left = replacements_per_version
         self._next_group_id = first_group_id
         self._entries: dict[int, _Entry[ResultT]] = {}
         self._changed = asyncio.Condition()
@@ -85,8 +99,13 @@ class StalenessGate(Configurable, Generic[ResultT]):
     def capacity(self) -> int:
         return (self.config.max_staleness + 1 + self.version) * self.groups_per_step
 
+    @property
+    def num_admitted_live(self) -> int:
+        """Admitted groups that were not replaced: each is or will be consumed by a step."""
+        return self.num_admitted - self.num_replaced
+
     def can_admit(self) -> bool:
-        return self.num_admitted < self.capacity
+        return self.num_admitted_live < self.capacity
 
     @property
     def num_running(self) -> int:
@@ -97,10 +116,13 @@ class StalenessGate(Configurable, Generic[ResultT]):
         return sum(e.phase is GroupPhase.FINISHED for e in self._entries.values())
 
     # ---- events (every one re-checks the invariants and wakes waiters) -------------------------
-    async def admit(self) -> tuple[int, int]:
-        """Wait for capacity; returns (group_id, admit_version) of the newly admitted group."""
+    async def admit(self, limit: int | None = None) -> tuple[int, int]:
+        """Wait for capacity (and, with ``limit``, for fewer than ``limit`` live groups: a run's
+        last groups; a replaced one frees a slot again); returns (group_id, admit_version) of
+        the newly admitted group."""
         async with self._changed:
-            await self._changed.wait_for(self.can_admit)
+            await self._changed.wait_for(
+                lambda: self.can_admit() and (limit is None or self.num_admitted_live < limit))
             group_id = self._next_group_id
             self._next_group_id += 1
             self._entries[group_id] = _Entry(group_id=group_id, admit_version=self.version)
@@ -118,13 +140,22 @@ class StalenessGate(Configurable, Generic[ResultT]):
             self._check_unlocked()
             self._changed.notify_all()
 
-    async def finish(self, group_id: int, result: ResultT) -> None:
+    async def finish(self, group_id: int, result: ResultT, *, replaceable: bool = False) -> bool:
+        """Mark a group finished; True when it was ``replaceable`` (no learning signal) and left
+        the gate for a new group (dynamic sampling), False when it waits for its step."""
         async with self._changed:
             entry = self._entries[group_id]
             assert entry.phase is GroupPhase.RUNNING, f"group {group_id} finished twice"
-            entry.phase, entry.result = GroupPhase.FINISHED, result
+            replaced = replaceable and self._replacements_left > 0
+            if replaced:
+                del self._entries[group_id]
+                self.num_replaced += 1
+                self._replacements_left -= 1
+            else:
+                entry.phase, entry.result = GroupPhase.FINISHED, result
             self._check_unlocked()
             self._changed.notify_all()
+            return replaced
 
     async def take_step_groups(self, step: int) -> list[tuple[int, int, ResultT]]:
         """The P groups step ``step`` trains on: every due group, then the oldest finished ones.
@@ -152,6 +183,7 @@ class StalenessGate(Configurable, Generic[ResultT]):
         async with self._changed:
             assert version >= self.version, f"version went back: {self.version} -> {version}"
             self.version = version
+            self._replacements_left = self.replacements_per_version
             self._check_unlocked()
             self._changed.notify_all()
 
@@ -193,10 +225,10 @@ class StalenessGate(Configurable, Generic[ResultT]):
         return sorted(chosen, key=lambda e: e.group_id)
 
     def _check_unlocked(self) -> None:
-        assert self.num_admitted <= self.capacity, (
-            f"admitted {self.num_admitted} > capacity {self.capacity}"
+        assert self.num_admitted_live <= self.capacity, (
+            f"admitted {self.num_admitted_live} (not replaced) > capacity {self.capacity}"
         )
-        assert self.num_admitted == len(self._entries) + self.num_consumed, (
+        assert self.num_admitted == len(self._entries) + self.num_consumed + self.num_replaced, (
             f"admitted {self.num_admitted} != running+finished {len(self._entries)} + "
-            f"consumed {self.num_consumed}"
+            f"consumed {self.num_consumed} + replaced {self.num_replaced}"
         )
