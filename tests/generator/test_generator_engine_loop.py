@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -85,6 +86,19 @@ def test_request_submitted_while_others_run_joins_the_running_batch(engine: Any)
     reference = raw_generate(engine, [("a", prompt_a, greedy(40)), ("b", prompt_b, greedy(5))])
     steps: list[StepStats] = []
     late: list[asyncio.Task[Completion | None]] = []
+    # The engine thread runs step 3 only once "b" is in the loop's inbox (submitted when step 2's
+    # outputs reach the event loop): without the gate a busy box let the thread finish its burst
+    # before the event loop submitted "b", and the test measured the scheduler.
+    b_submitted = threading.Event()
+    engine_steps = 0
+    engine_step = engine.step
+
+    def gated_step() -> Any:
+        nonlocal engine_steps
+        engine_steps += 1
+        if engine_steps == 3:
+            assert b_submitted.wait(timeout=60), "b was never submitted"
+        return engine_step()
 
     async def scenario() -> tuple[Completion | None, Completion | None]:
         def on_step(stats: StepStats) -> None:
@@ -92,6 +106,9 @@ def test_request_submitted_while_others_run_joins_the_running_batch(engine: Any)
             if stats.step_index == 2:  # "a" is running: submit "b"
                 late.append(asyncio.create_task(
                     loop.generate(req("b", prompt_b, greedy(5)))))
+                # generate() submits before its first await, and call_soon runs callbacks in
+                # order: the task's first step (the submit) comes before this set().
+                asyncio.get_running_loop().call_soon(b_submitted.set)
 
         loop = new_loop(engine, CONFIG, on_step=on_step)
         a = await loop.generate(req("a", prompt_a, greedy(40)))
@@ -99,15 +116,18 @@ def test_request_submitted_while_others_run_joins_the_running_batch(engine: Any)
         await loop.close()
         return a, b
 
-    a, b = run(scenario())
+    engine.step = gated_step
+    try:
+        a, b = run(scenario())
+    finally:
+        del engine.step  # the instance attribute goes; the class's method is back
     assert a is not None and b is not None
     assert a.token_ids == list(reference["a"].token_ids) and len(a.token_ids) == 40
     assert b.token_ids == list(reference["b"].token_ids)
     assert [s.num_requests_in_engine for s in steps[:2]] == [1, 1]
-    # "b" arrived after step 2 (while the engine thread ran step 3, or before it began: the
-    # thread steps on while step 2's outputs are handled on the event loop): one rank alone ends
-    # its burst (4 steps here) to admit it at once, so it is in step 3 or 4 (a fixed burst
-    # would hold it back to step 5).
+    # "b" arrived while the engine thread was in step 3 of its burst: one rank alone ends its
+    # burst (4 steps here) to admit it at once, so it is in step 4 (a fixed burst would hold it
+    # back to step 5).
     assert CONFIG.max_engine_steps_between_decisions == 4
     assert steps[3].num_requests_in_engine == 2
     assert max(s.num_requests_in_engine for s in steps) == 2
