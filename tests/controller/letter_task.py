@@ -15,9 +15,11 @@ from torchtitan_rl.task import TaskConfig
 
 
 class LetterEnv(MessageEnv):
-    def __init__(self, prompt: str, constant_reward: float | None = None) -> None:
+    def __init__(self, prompt: str, constant_reward: float | None = None,
+                 broken: bool = False) -> None:
         self.prompt = prompt
         self.constant_reward = constant_reward
+        self.broken = broken
 
     async def init(self) -> list[Message]:
         return [{"role": "user", "content": self.prompt}]
@@ -26,6 +28,8 @@ class LetterEnv(MessageEnv):
         return EnvStep(done=True)
 
     def score(self, replies: list[str], reward_parts: list[dict[str, float]]) -> float:
+        if self.broken:
+            raise ValueError("this prompt's scorer is broken on purpose")
         if self.constant_reward is not None:
             return self.constant_reward
         letters = [c for c in "".join(replies).lower() if c.isalpha()]
@@ -40,6 +44,9 @@ class LetterTask(Configurable):
         constant_reward_every: int = 0
         """Prompts whose index is a multiple of this score 0.5 whatever the reply: their groups
         carry no signal (dynamic sampling's real-stack test). 0: none."""
+        broken_score_every: int = 0
+        """Prompts whose index is 1 more than a multiple of this raise in score() (a task
+        author's mistake: the failing-task tests). 1: every prompt. 0: none."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -48,6 +55,7 @@ class LetterTask(Configurable):
         return [f"Write words, {split} prompt {i}:" for i in range(self.config.num_prompts)]
 
     def make_env(self, prompt: str) -> LetterEnv:
-        every = self.config.constant_reward_every
+        every, broken = self.config.constant_reward_every, self.config.broken_score_every
         index = int(prompt.rstrip(":").rsplit(" ", 1)[1])
-        return LetterEnv(prompt, 0.5 if every and index % every == 0 else None)
+        return LetterEnv(prompt, 0.5 if every and index % every == 0 else None,
+                         broken=bool(broken) and index % broken == 1 % broken)

@@ -14,7 +14,14 @@ import sys
 import pytest
 import torch
 
-from tests.controller.jobs import REPO_ROOT, read_hf_weights, read_metrics, tiny_job
+from tests.controller.jobs import (
+    LETTERS_TOML,
+    REPO_ROOT,
+    read_hf_weights,
+    read_metrics,
+    run_module,
+    tiny_job,
+)
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.config.manager import parse_args
 from torchtitan_rl.controller.job import RLJob
@@ -165,6 +172,41 @@ def test_a_task_defined_only_in_tests_runs_a_real_job_from_a_toml_file(letters_t
     assert all(len(record["group_ids"]) == 2 for record in trained)
     assert all(r["group_dropped"] is None for r in rollouts)
     assert not {r["group_id"] for r in rollouts} & set(replaced)
+
+
+@pytest.mark.slow
+def test_a_task_failing_on_some_rollouts_goes_on_with_one_line_per_validation(letters_toml_run):
+    """The TOML's task raises in score() on one validation prompt in four: the run finishes, and
+    each validation says so in one console line naming the error and the task's file:line."""
+    run_dir, proc = letters_toml_run
+    warnings = [line for line in proc.stderr.splitlines() if "failed in the task" in line]
+    assert len(warnings) == 2, proc.stderr[-3000:]  # before the first step and after the last
+    for line in warnings:
+        assert "16 of 64 rollouts failed in the task: score() raised ValueError(\"this prompt's " \
+               "scorer is broken on purpose\") at tests/controller/letter_task.py:" in line, line
+        assert "(x16)" in line and "the run goes on" in line
+    assert "rollout env" not in proc.stderr and "scoring raised" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_task_failing_on_every_rollout_stops_at_once_with_one_line(tmp_path):
+    """Every prompt's score() raises: the run stops in its first validation (before any step),
+    exit 1, one error line naming the task, the count, the error and its file:line; nothing is
+    written as if trained."""
+    proc = run_module("torchtitan_rl.train", "--config", LETTERS_TOML, "--output_dir",
+                      str(tmp_path), "--task.broken_score_every", "1")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert ("task tests.controller.letter_task:LetterTask: validation at step 0: 2 of 2 rollouts "
+            "failed in the task: score() raised ValueError(\"this prompt's scorer is broken on "
+            "purpose\") at tests/controller/letter_task.py:") in errors[0], errors[0]
+    assert "loop.max_task_error_fraction" in errors[0]
+    assert "Traceback" not in proc.stderr and "rollout env" not in proc.stderr
+    run_dir = tmp_path / "letters"
+    assert not (run_dir / "summary.json").exists() and not (run_dir / "hf").exists()
+    assert not list(run_dir.glob("checkpoints/step-*"))
+    assert proc.stdout.strip() == ""  # no last line with rewards
 
 
 @pytest.mark.slow

@@ -294,3 +294,56 @@ def test_rollouter_keeps_each_turns_prefix_cache_hits_and_metrics_give_their_sha
     assert cached > 0
     assert rollout_metrics([group])["rollout/prefix_cache_hit_ratio"] == pytest.approx(
         cached / sum(len(t.prompt_token_ids) for t in turns))
+
+
+class _BrokenEnv(CountingEnv):
+    """CountingEnv with one of a task author's mistakes (``mistake``)."""
+
+    def __init__(self, turns: int, mistake: str) -> None:
+        super().__init__(turns)
+        self.mistake = mistake
+
+    async def step(self, assistant_message):  # type: ignore[no-untyped-def]
+        if self.mistake == "step raises in turn 2" and self.turn == 1:
+            raise KeyError("turn two")
+        result = await super().step(assistant_message)
+        if self.mistake == "reward part is a string":
+            result.reward_parts["yes"] = "1"
+        return result
+
+    def score(self, replies, reward_parts):  # type: ignore[no-untyped-def]
+        if self.mistake == "score returns None":
+            return None
+        if self.mistake == "score returns '0.5'":
+            return "0.5"
+        if self.mistake == "score raises":
+            raise ZeroDivisionError("division by zero")
+        return super().score(replies, reward_parts)
+
+
+@pytest.mark.parametrize(("mistake", "credit", "error"), [
+    ("score returns None", "rollout",
+     "score() returned None (NoneType); a finite int or float is required at "
+     "tests/rollout/test_rollout_rollouter.py:"),
+    ("score returns '0.5'", "rollout",
+     "score() returned '0.5' (str); a finite int or float is required at "
+     "tests/rollout/test_rollout_rollouter.py:"),
+    ("score raises", "turn",  # per-turn credit still calls score(): its failure is not swallowed
+     "score() raised ZeroDivisionError('division by zero') at "
+     "tests/rollout/test_rollout_rollouter.py:"),
+    ("step raises in turn 2", "rollout",
+     "step() raised KeyError('turn two') at tests/rollout/test_rollout_rollouter.py:"),
+    ("reward part is a string", "rollout",
+     "step() reward part 'yes' returned '1' (str); a finite int or float is required at "
+     "tests/rollout/test_rollout_rollouter.py:"),
+])
+def test_a_task_authors_mistake_fails_the_rollout_naming_the_call_and_its_line(
+        mistake: str, credit: str, error: str) -> None:
+    gen = ScriptedGenerate(lambda rid, _: "yes")
+    rollouter = _rollouter(lambda episode: _BrokenEnv(3, mistake), credit=credit)
+    group = run(rollouter.run_group_rollouts(gen, {"episode_id": "e"}, 0,
+                                             sampling=Sampling(max_tokens=8)))
+    assert [r.status for r in group.rollouts] == [RolloutStatus.ERROR_ENV] * 4
+    assert all(r.error is not None and r.error.startswith(error) for r in group.rollouts), (
+        group.rollouts[0].error)
+    assert group.dropped and group.drop_reason == "all_errored"

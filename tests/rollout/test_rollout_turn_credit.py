@@ -95,7 +95,9 @@ def test_bad_turn_rewards_error_the_rollout_not_the_run() -> None:
     group = run(rollouter.run_group_rollouts(gen, {"episode_id": "e"}, 0,
                                              sampling=Sampling(max_tokens=8)))
     assert [r.status for r in group.rollouts] == [RolloutStatus.ERROR_ENV] * 2
-    assert "one finite value per turn" in group.rollouts[0].error
+    assert group.rollouts[0].error.startswith(
+        "turn_rewards() returned 1 rewards for 2 turns (one per turn expected) at "
+        "tests/rollout/test_rollout_turn_credit.py:89 (")
     assert group.dropped and group.drop_reason == "all_errored"
 
 

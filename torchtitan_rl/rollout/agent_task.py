@@ -33,7 +33,6 @@ import dataclasses
 import importlib
 import inspect
 import logging
-import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -42,6 +41,7 @@ from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.rollout.agent_capture import EpisodeCapture, EpisodeLimits
 from torchtitan_rl.rollout.agent_server import EpisodeServer
 from torchtitan_rl.rollout.agent_tools import ToolCalls, load_tool_parser
+from torchtitan_rl.rollout.task_errors import RewardTypeError, describe_exception, reward_value
 from torchtitan_rl.rollout.types import Rollout, RolloutStatus
 from torchtitan_rl.task import Split, TaskConfig
 from torchtitan_rl.types import GenerateFn, Sampling
@@ -178,9 +178,9 @@ class AgentEnv:
             if deadline.expired():
                 failure = (RolloutStatus.ERROR_TIMEOUT, f"agent ran past {timeout_s}s")
             else:
-                failure = (RolloutStatus.ERROR_ENV, f"agent raised {e!r}")
+                failure = (RolloutStatus.ERROR_ENV, describe_exception("the agent", e))
         except Exception as e:  # the agent is user code: its failure ends this rollout only
-            failure = (RolloutStatus.ERROR_ENV, f"agent raised {e!r}")
+            failure = (RolloutStatus.ERROR_ENV, describe_exception("the agent", e))
         finally:
             server.close(episode_id, "the agent returned")
         if capture.infra_error is not None:
@@ -193,13 +193,15 @@ class AgentEnv:
             if capture.status is not None and failure[0] is RolloutStatus.ERROR_ENV:
                 failure = (failure[0], f"{failure[1]} after {capture.error}")
             rollout.status, rollout.error = failure
-            logger.warning("%s: %s", rollout.session_id, rollout.error)
+            # The loop summarises the task's failures per step; each goes to the log file.
+            level = logging.INFO if failure[0] is RolloutStatus.ERROR_ENV else logging.WARNING
+            logger.log(level, "%s: %s", rollout.session_id, rollout.error)
             return
         try:
             rollout.reward = self._reward(result, rollout, credit)
         except ValueError as e:
             rollout.status, rollout.error = RolloutStatus.ERROR_ENV, str(e)
-            logger.warning("%s: %s", rollout.session_id, e)
+            logger.info("%s: %s", rollout.session_id, e)
             return
         rollout.status = capture.status or RolloutStatus.COMPLETED
         rollout.error = capture.error
@@ -214,20 +216,17 @@ class AgentEnv:
         turn_rewards = None
         if isinstance(result, tuple) and len(result) == 2:
             result, turn_rewards = result
-        if isinstance(result, bool) or not isinstance(result, (int, float)) or not math.isfinite(
-                result):
-            raise ValueError(f"agent returned {result!r:.80}; a finite float reward (or "
-                             f"(reward, [reward per call])) expected")
+        reward = reward_value(result, "the agent")
         if turn_rewards is not None:
-            values = [float(r) for r in turn_rewards]
-            if len(values) != len(rollout.turns) or not all(math.isfinite(v) for v in values):
-                raise ValueError(f"agent returned per-call rewards {values} for "
-                                 f"{len(rollout.turns)} model calls (one finite value per call "
-                                 f"expected)")
+            values = [reward_value(r, "the agent's per-call rewards") for r in turn_rewards]
+            if len(values) != len(rollout.turns):
+                raise RewardTypeError(f"agent returned per-call rewards {values} for "
+                                      f"{len(rollout.turns)} model calls (one finite value per "
+                                      f"call expected)")
             for turn, value in zip(rollout.turns, values):
                 turn.reward = value
                 turn.reward_parts["reward"] = value  # per-turn metrics, validation, eval
         elif credit == "turn":
             raise ValueError("rollouter.credit = 'turn' needs the agent to return (reward, "
                              "[reward per model call])")
-        return float(result)
+        return reward

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -36,6 +35,12 @@ from torchtitan_rl.rollout.advantage import (
 from torchtitan_rl.rollout.agent_capture import EpisodeLimits
 from torchtitan_rl.rollout.agent_task import AgentEnv
 from torchtitan_rl.rollout.message_env import MessageEnv
+from torchtitan_rl.rollout.task_errors import (
+    RewardTypeError,
+    describe_exception,
+    function_site,
+    reward_value,
+)
 from torchtitan_rl.rollout.token_env import TokenEnv, chat_template_kwargs
 from torchtitan_rl.rollout.types import (
     Rollout,
@@ -213,9 +218,9 @@ class Rollouter(Configurable):
                           status=RolloutStatus.ERROR_ENV)
         try:
             message_env = self._make_env(episode)
-        except Exception as e:  # a bad episode spec fails its rollouts, not the run
-            logger.warning("make_env failed for group %d", group_id, exc_info=True)
-            rollout.error = f"make_env raised {e!r}"
+        except Exception as e:  # a bad episode spec fails its rollouts (loop: the run, if many)
+            rollout.error = describe_exception("make_env()", e)
+            logger.info("group %d: %s", group_id, rollout.error, exc_info=True)
             rollout.reward = self._error_reward()
             return rollout
         if isinstance(message_env, AgentEnv):  # an agent program plays it over the endpoint
@@ -304,23 +309,30 @@ class Rollouter(Configurable):
             rollout.reward = self._error_reward()
             return
         parts = [t.reward_parts for t in rollout.turns]
+        what = "score()"
         try:
-            rollout.reward = float(message_env.score(rollout.replies, parts))
+            rollout.reward = reward_value(message_env.score(rollout.replies, parts), what,
+                                          type(message_env).score)
             if self.config.credit == "turn":
+                what = "turn_rewards()"
                 self._fill_turn_rewards(message_env, rollout, parts)
         except Exception as e:
-            logger.warning("%s: scoring raised", rollout.session_id, exc_info=True)
             rollout.status = RolloutStatus.ERROR_ENV
-            rollout.error = f"scoring raised {e!r}"
+            rollout.error = (str(e) if isinstance(e, RewardTypeError)
+                             else describe_exception(what, e))
+            logger.info("%s: %s", rollout.session_id, rollout.error, exc_info=True)
             rollout.reward = self._error_reward()
 
     @staticmethod
     def _fill_turn_rewards(message_env: MessageEnv, rollout: Rollout,
                            parts: list[dict[str, float]]) -> None:
-        rewards = [float(r) for r in message_env.turn_rewards(rollout.replies, parts)]
-        if len(rewards) != len(rollout.turns) or not all(math.isfinite(r) for r in rewards):
-            raise ValueError(f"turn_rewards gave {rewards} for {len(rollout.turns)} turns (one "
-                             "finite value per turn expected)")
+        source = type(message_env).turn_rewards
+        rewards = [reward_value(r, "turn_rewards()", source)
+                   for r in message_env.turn_rewards(rollout.replies, parts)]
+        if len(rewards) != len(rollout.turns):
+            raise RewardTypeError(f"turn_rewards() returned {len(rewards)} rewards for "
+                                  f"{len(rollout.turns)} turns (one per turn expected) at "
+                                  f"{function_site(source)}")
         for turn, reward in zip(rollout.turns, rewards):
             turn.reward = reward
 

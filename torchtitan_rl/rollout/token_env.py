@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtitan_rl.rollout.message_env import EnvStep, Message, MessageEnv
+from torchtitan_rl.rollout.task_errors import RewardTypeError, describe_exception, reward_value
 from torchtitan_rl.rollout.types import RolloutStatus
 from torchtitan_rl.types import Completion
 
@@ -92,7 +93,8 @@ class TokenEnv:
         except TimeoutError:
             return self._fail(RolloutStatus.ERROR_TIMEOUT, "init timed out", "")
         except Exception as e:  # the env is user code: any failure ends this rollout only
-            return self._fail(RolloutStatus.ERROR_ENV, f"init raised {e!r}", "", exc=e)
+            return self._fail(RolloutStatus.ERROR_ENV, describe_exception("init()", e), "",
+                              exc=e)
         self._messages = list(messages)
         prompt_ids = self._encode(self._render(self._messages, add_generation_prompt=True))
         if len(prompt_ids) >= self._max_rollout_tokens:
@@ -122,11 +124,18 @@ class TokenEnv:
             return self._fail(RolloutStatus.ERROR_TIMEOUT,
                               f"step timed out after {self._step_timeout_s}s", text)
         except Exception as e:
-            return self._fail(RolloutStatus.ERROR_ENV, f"step raised {e!r}", text, exc=e)
+            return self._fail(RolloutStatus.ERROR_ENV, describe_exception("step()", e), text,
+                              exc=e)
+        try:
+            reward_parts = {name: reward_value(value, f"step() reward part {name!r}",
+                                               type(self._env).step)
+                            for name, value in env_step.reward_parts.items()}
+        except RewardTypeError as e:
+            return self._fail(RolloutStatus.ERROR_ENV, str(e), text)
 
         done = TokenEnvStep(prompt_token_ids=None, status=RolloutStatus.COMPLETED,
                             completion_text=text, env_messages=list(env_step.messages),
-                            reward_parts=dict(env_step.reward_parts))
+                            reward_parts=reward_parts)
         if env_step.done:
             return done
         if self._num_turns >= self._max_turns:
@@ -166,8 +175,11 @@ class TokenEnv:
 
     def _fail(self, status: RolloutStatus, error: str, text: str,
               exc: BaseException | None = None) -> TokenEnvStep:
-        logger.warning("rollout env: %s -> %s", error, status.value,
-                       exc_info=(type(exc), exc, exc.__traceback__) if exc else None)
+        # The task's failures are counted and summarised per step by the loop (one console
+        # line); each one, with its traceback, goes to the log file only.
+        level = logging.INFO if status is RolloutStatus.ERROR_ENV else logging.WARNING
+        logger.log(level, "rollout env: %s -> %s", error, status.value,
+                   exc_info=(type(exc), exc, exc.__traceback__) if exc else None)
         return TokenEnvStep(prompt_token_ids=None, status=status, completion_text=text,
                             error=error)
 

@@ -45,7 +45,7 @@ from torchtitan_rl.controller.hosts.placement import RunHosts
 from torchtitan_rl.controller.loop.data_cursor import DataCursor
 from torchtitan_rl.controller.loop.idle_ratios import IdleRatios
 from torchtitan_rl.controller.loop.staleness import StalenessGate
-from torchtitan_rl.controller.loop.validation import Validator
+from torchtitan_rl.controller.loop.validation import Validator, task_errors
 from torchtitan_rl.controller.rollout_workers.pool import RolloutWorkerLostError, RolloutWorkerPool
 from torchtitan_rl.controller.supervision import RunFailedError
 from torchtitan_rl.faults import maybe_kill
@@ -55,6 +55,7 @@ from torchtitan_rl.rollout import rollout_group_to_training_samples, rollout_met
 from torchtitan_rl.rollout.advantage import BATCH_WHITENED, whiten_advantages
 from torchtitan_rl.rollout.recorder import RolloutRecorder
 from torchtitan_rl.rollout.rollouter import Rollouter
+from torchtitan_rl.rollout.task_errors import summarise_task_errors
 from torchtitan_rl.rollout.types import RolloutGroup
 from torchtitan_rl.task import Task
 from torchtitan_rl.trainer.trainer import TrainerClient
@@ -156,6 +157,13 @@ class TrainingLoop(Configurable):
         ``groups_per_step`` groups that all carry one; past it a dropped group counts toward its
         step (trains nothing). 0: off, a step trains on the groups it got. Counted in
         ``async/groups_replaced``; the replaced ids are in trained_samples.jsonl."""
+        max_task_error_fraction: float = 0.5
+        """A step (or a validation) where more than this share of the rollouts failed in the
+        task's own code (its env, scorer or agent raised, or returned a reward that is not a
+        number: ERROR_ENV) stops the run with one line naming the task, the error and where it
+        was raised, exit 1, before anything is trained on them. Below it the failures are
+        counted (rollout/status/error_env) and summarised in one warning line per step. In
+        [0, 1]; 1 never stops."""
         max_skipped_steps_in_row: int = 3
         """A step whose loss or gradient norm is not finite keeps the weights (no optimizer step,
         no push; counted in trainer/num_skipped_steps); this many in a row fail the run."""
@@ -170,6 +178,9 @@ class TrainingLoop(Configurable):
             if self.replace_dropped_groups < 0:
                 raise ValueError(f"replace_dropped_groups must be >= 0, got "
                                  f"{self.replace_dropped_groups}")
+            if not 0 <= self.max_task_error_fraction <= 1:
+                raise ValueError(f"max_task_error_fraction must be in [0, 1], got "
+                                 f"{self.max_task_error_fraction}")
             if self.max_skipped_steps_in_row < 1:
                 raise ValueError(f"max_skipped_steps_in_row must be >= 1, got "
                                  f"{self.max_skipped_steps_in_row}")
@@ -301,6 +312,8 @@ class TrainingLoop(Configurable):
         train_start, rollout_cpu_s = time.perf_counter(), time.process_time() - self._cpu_mark
         results = [result for _, _, result in taken]
         groups = [r.group for r in results if r.group is not None]
+        self._check_task_errors(f"step {step}", task_errors(groups),
+                                sum(len(g.rollouts) for g in groups))
         samples = [s for r in results for s in r.finished.samples]
         if parts.rollouter.config.advantage in BATCH_WHITENED:
             samples = whiten_advantages(samples)
@@ -430,6 +443,8 @@ class TrainingLoop(Configurable):
     async def validate(self, step: int) -> None:
         parts = self.parts
         result = await parts.validator.run(parts.generate_fn, parts.sampling)
+        self._check_task_errors(f"validation at step {step}", result.task_errors,
+                                result.num_rollouts)
         if not self.state.validation_history:
             self.state.first_validation_episode_means = result.episode_means
         self.state.validation_history.append((step, result.reward_mean, result.reward_stderr))
@@ -444,6 +459,18 @@ class TrainingLoop(Configurable):
         logger.info("validation step=%d reward=%.4f +- %.4f (%d rollouts%s)", step,
                     result.reward_mean, result.reward_stderr, result.num_rollouts, per_turn,
                     extra=CONSOLE)
+
+    def _check_task_errors(self, where: str, errors: list[str], num_rollouts: int) -> None:
+        """Stop the run when too many rollouts failed in the task's code; else one warning."""
+        if not errors:
+            return
+        line = f"{where}: {summarise_task_errors(errors, num_rollouts)}"
+        limit = self.config.max_task_error_fraction
+        if len(errors) > limit * num_rollouts:
+            task = type(self.parts.task)
+            raise RunFailedError(f"task {task.__module__}:{task.__qualname__}: {line} (more than "
+                                 f"loop.max_task_error_fraction = {limit}); the run stops")
+        logger.warning("%s (the run goes on: loop.max_task_error_fraction = %s)", line, limit)
 
     # ---- the trained-samples log: which groups and samples every step trained on -----------------
     def _log_trained(self, step: int, group_ids: list[int], samples: list) -> None:

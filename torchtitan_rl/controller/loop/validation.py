@@ -27,7 +27,7 @@ from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.generator import GeneratorLostError
 from torchtitan_rl.rollout.metrics import per_turn_reward_parts
 from torchtitan_rl.rollout.rollouter import Rollouter
-from torchtitan_rl.rollout.types import RolloutGroup
+from torchtitan_rl.rollout.types import RolloutGroup, RolloutStatus
 from torchtitan_rl.types import GenerateFn, Sampling
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,8 @@ class ValidationResult:
     ``turn_{t}/{part}`` (t from 1), e.g. AlphabetSort's ``turn_2/turn_score``."""
     episode_means: list[float] = dataclasses.field(default_factory=list)
     """Each episode's mean reward over its samples, in the split's order (the clusters)."""
+    task_errors: list[str] = dataclasses.field(default_factory=list)
+    """``Rollout.error`` of every rollout the task's code failed (ERROR_ENV)."""
 
     def metrics(self, prefix: str = "validation") -> dict[str, float]:
         return {f"{prefix}/reward_mean": self.reward_mean,
@@ -119,7 +121,13 @@ class Validator(Configurable):
                     for (turn, name), values in per_turn_reward_parts(groups).items()}
         return ValidationResult(reward_mean=mean, reward_stderr=clustered_stderr(episode_means),
                                 num_rollouts=len(rewards), per_turn=per_turn,
-                                episode_means=episode_means)
+                                episode_means=episode_means, task_errors=task_errors(groups))
+
+
+def task_errors(groups: list[RolloutGroup]) -> list[str]:
+    """The errors of the rollouts that the task's code failed (ERROR_ENV)."""
+    return [r.error or "?" for g in groups for r in g.rollouts
+            if r.status is RolloutStatus.ERROR_ENV]
 
 
 def clustered_stderr(episode_means: list[float]) -> float:
