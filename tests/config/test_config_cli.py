@@ -192,6 +192,15 @@ def test_task_type_selects_the_class_and_its_typed_settings(tmp_path):
     ("no_such_module:Task", "task.type: cannot import 'no_such_module:Task'"),
     ("torchtitan_rl.controller.job:RLJob", "task.type: 'torchtitan_rl.controller.job:RLJob' is "
                                            "not a TaskConfig"),
+    # typos: the nearest module or name beside the one that does not exist
+    ("exmaples.alphabet_sort:AlphabetSortTask", "task.type: cannot import 'exmaples.alphabet_sort:"
+     "AlphabetSortTask' (No module named 'exmaples'); did you mean 'examples'?"),
+    ("examples.alphabet_srot:AlphabetSortTask", "task.type: cannot import 'examples.alphabet_srot:"
+     "AlphabetSortTask' (No module named 'examples.alphabet_srot'); did you mean "
+     "'examples.alphabet_sort'?"),
+    ("examples.alphabet_sort:AlphabetSrotTask", "task.type: cannot import 'examples.alphabet_sort:"
+     "AlphabetSrotTask' (examples.alphabet_sort has no 'AlphabetSrotTask'; did you mean "
+     "'AlphabetSortTask'?)"),
 ])
 def test_bad_task_type_is_one_line_naming_the_key(tmp_path, type_path, message):
     with pytest.raises(ConfigError) as e:

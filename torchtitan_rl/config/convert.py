@@ -21,6 +21,7 @@ import difflib
 import enum
 import functools
 import importlib
+import importlib.util
 import pathlib
 import types
 import typing
@@ -122,14 +123,18 @@ def import_config_class(type_path: Any, base: type, path: str) -> type:
     except ModuleNotFoundError as e:
         if e.name is None or not (module_name == e.name or module_name.startswith(f"{e.name}.")):
             raise ConfigError(_import_failed(path, type_path, e)) from e  # one of its imports
-        raise ConfigError(f"{path}: cannot import {type_path!r} ({e})") from None
+        raise ConfigError(f"{path}: cannot import {type_path!r} ({e})"
+                          f"{_near_module(module_name)}") from None
     except Exception as e:  # the module's own code raised: one line, its traceback kept as cause
         raise ConfigError(_import_failed(path, type_path, e)) from e
-    try:
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except AttributeError as e:
-        raise ConfigError(f"{path}: cannot import {type_path!r} ({e})") from None
+    for part in qualname.split("."):
+        if not hasattr(obj, part):
+            near = difflib.get_close_matches(
+                part, [n for n in dir(obj) if not n.startswith("_")], n=1, cutoff=0.6)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(f"{path}: cannot import {type_path!r} ({getattr(obj, '__name__', obj)}"
+                              f" has no {part!r}{hint})")
+        obj = getattr(obj, part)
     config_cls = getattr(obj, "Config", obj)
     owner = getattr(config_cls, "_owner", None)
     if isinstance(obj, type) and config_cls is not obj and owner is not None and owner is not obj:
@@ -143,6 +148,29 @@ def import_config_class(type_path: Any, base: type, path: str) -> type:
         raise ConfigError(f"{path}: {type_path!r} is not a {base.__qualname__} (its Config must "
                           f"subclass {base.__module__}.{base.__qualname__})")
     return config_cls
+
+
+def _near_module(module_name: str) -> str:
+    """``; did you mean 'pkg.near'?`` for the first part of ``module_name`` that does not exist,
+    from the modules beside it (or top-level ones); "" when nothing is close."""
+    import pkgutil
+
+    parts = module_name.split(".")
+    for depth in range(len(parts)):
+        prefix = ".".join(parts[:depth])
+        candidate = ".".join(parts[:depth + 1])
+        if importlib.util.find_spec(candidate) is not None:
+            continue
+        try:
+            where = importlib.import_module(prefix).__path__ if prefix else None
+        except (ImportError, AttributeError):
+            return ""
+        names = [m.name for m in pkgutil.iter_modules(where)]
+        near = difflib.get_close_matches(parts[depth], names, n=1, cutoff=0.6)
+        if not near:
+            return ""
+        return f"; did you mean {'.'.join([*parts[:depth], near[0]])!r}?"
+    return ""
 
 
 def _import_failed(path: str, type_path: str, error: BaseException) -> str:
