@@ -43,6 +43,8 @@ VARIANTS: dict[str, list[str]] = {
     "cispo": ["--trainer.loss.policy_loss", "cispo", "--trainer.loss.clip_high", "0.28"],
     "kl_k3": ["--trainer.loss.kl_coef", "0.05", "--trainer.loss.kl_estimator", "k3"],
     "dynamic_sampling": ["--loop.replace_dropped_groups", "16"],
+    "ppo_critic": ["--rollouter.advantage", "gae", "--trainer.critic.enabled", "true",
+                   "--trainer.critic.lr", "1e-3"],
 }
 
 

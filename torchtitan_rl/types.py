@@ -128,6 +128,9 @@ class TrainingSample:
     generator_logprobs: list[float]
     advantages: list[float]
     policy_versions: list[int]
+    rewards: list[float] = dataclasses.field(default_factory=list)
+    """The reward credited to each token (a turn's or the episode's, on its last generated
+    token; 0 elsewhere): what a critic's GAE reads (trainer/critic.py). Empty: all 0."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -137,6 +140,9 @@ class TrainingSample:
                     f"TrainingSample {self.sample_id}: {name} has {len(getattr(self, name))} "
                     f"entries, token_ids has {n}"
                 )
+        if self.rewards and len(self.rewards) != n:
+            raise ValueError(f"TrainingSample {self.sample_id}: rewards has {len(self.rewards)} "
+                             f"entries, token_ids has {n}")
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,7 @@ generator lost on its host is replaced on that host; and the placement's config 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import signal
 import socket
@@ -27,6 +28,7 @@ from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.controller.hosts.cluster_jobs import SlurmPlacement, slurm_job_kwargs
 from torchtitan_rl.controller.hosts.placement import Placement
 from torchtitan_rl.train import main
+from torchtitan_rl.trainer.critic import ValueCritic
 
 
 def _free_port() -> int:
@@ -58,10 +60,14 @@ def test_job_attached_to_tcp_workers_trains_with_the_message_transport(tmp_path)
         config = tiny_job(tmp_path, "attached", num_steps=2, max_staleness=1)
         # One tensor-parallel-2 generator: its ranks decide in lockstep (the rank-0 LoopDecision
         # broadcast in a job), and a push reaches its host once (rank 0 shares it with rank 1).
+        # Also PPO with a critic off-policy (S = 1): GAE from a value model trained beside the
+        # policy (the algorithms' real-stack run for "gae").
         config = dataclasses.replace(
             config, placement=Placement.Config(kind="attach", workers=addresses),
             generator_tensor_parallel_degrees=[2],
-            trainer=dataclasses.replace(config.trainer, weight_transport="message"))
+            rollouter=dataclasses.replace(config.rollouter, advantage="gae"),
+            trainer=dataclasses.replace(config.trainer, weight_transport="message",
+                                        critic=ValueCritic.Config(enabled=True, lr=1e-2)))
         summary = main(config)
         assert all(worker.poll() is None for worker in workers)  # the run stopped procs only
     finally:
@@ -74,6 +80,10 @@ def test_job_attached_to_tcp_workers_trains_with_the_message_transport(tmp_path)
         assert metrics[step]["weight_sync/generators_by_shared_memory"] == 0
         assert metrics[step]["weight_sync/bytes_moved"] == TINY_MODEL_BYTES
         assert 0 <= metrics[step]["async/policy_age_max"] <= 1
+        assert metrics[step]["critic/value_loss"] > 0 and metrics[step]["critic/grad_norm"] > 0
+        assert math.isfinite(metrics[step]["loss/objective"])
+    # the value head starts at 0 and has moved after the first update
+    assert metrics[0]["critic/value_mean"] == 0.0 and metrics[1]["critic/value_mean"] != 0.0
 
 
 @pytest.mark.slow

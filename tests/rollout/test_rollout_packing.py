@@ -93,3 +93,18 @@ def test_packing_excluded_rollout_and_dropped_group_give_nothing() -> None:
     assert rollout_group_to_training_samples(group) == []
     group.dropped = False
     assert len(rollout_group_to_training_samples(group)) == 1
+
+
+def test_packing_puts_the_reward_a_critic_reads_on_each_turns_last_token() -> None:
+    turns = [_turn(0, [1, 2], [3, 4]), _turn(1, [1, 2, 3, 4, 5, 6], [7, 8])]
+    episode = _rollout(turns)
+    episode.reward = 0.75
+    [s] = rollout_to_training_samples(episode)
+    assert s.rewards == [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.75]  # the episode's, at its end
+    turns[0].reward, turns[1].reward = 0.25, 1.0  # per-turn credit: each turn's own
+    [s] = rollout_to_training_samples(episode)
+    assert s.rewards == [0.0, 0.0, 0.0, 0.25, 0.0, 0.0, 0.0, 1.0]
+    branched = _rollout([_turn(0, [1, 2], [3]), _turn(1, [9, 9], [5])])
+    branched.reward = 0.5
+    first, second = rollout_to_training_samples(branched)
+    assert first.rewards == [0.0, 0.0, 0.0] and second.rewards == [0.0, 0.0, 0.5]

@@ -123,6 +123,11 @@ class RLJob(Configurable):
                 raise ValueError(f"num_generators must be >= 1, got {self.num_generators}")
             if self.num_trainer_ranks < 1:
                 raise ValueError(f"num_trainer_ranks must be >= 1, got {self.num_trainer_ranks}")
+            if (self.rollouter.advantage == "gae") != self.trainer.critic.enabled:
+                raise ValueError("rollouter.advantage = 'gae' and trainer.critic.enabled go "
+                                 "together (GAE needs the critic's values; the critic trains "
+                                 f"for GAE): got {self.rollouter.advantage!r} and "
+                                 f"{self.trainer.critic.enabled}")
             if self.rollouter.group_size < 2:
                 raise ValueError(
                     "rollouter.group_size must be >= 2 (GRPO compares siblings), got "

@@ -12,6 +12,9 @@ group). Let G be the number of rollouts that count and r the mean of their rewar
                                                    REINFORCE++ (Hu et al. 2025)
     "reinforce_pp_baseline"  A_i = r_i - r, then whitened over the step's batch
                                                    REINFORCE++ with a group baseline
+    "gae"                    per token, from a learned critic's values in the trainer (PPO:
+                                                   trainer/critic.py); the group's A_i = r_i here
+                                                   only decides whether the group has a signal
 
 "Whitened over the step's batch" (``whiten_advantages``, applied by the loop to the samples a
 step trains on): every trained token's advantage minus the mean over the step's trained tokens,
@@ -34,7 +37,7 @@ from typing import Literal
 
 from torchtitan_rl.types import TrainingSample
 
-AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
 AdvantageStd = Literal["sample", "population", "none"]
 
 STD_EPS = 1e-6
@@ -80,6 +83,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[[list[float], AdvantageStd], list[float
     "rloo": rloo,
     "reinforce_pp": reinforce_pp,
     "reinforce_pp_baseline": reinforce_pp_baseline,
+    "gae": reinforce_pp,  # the trainer replaces it with the critic's GAE
 }
 
 BATCH_WHITENED = frozenset({"reinforce_pp", "reinforce_pp_baseline"})

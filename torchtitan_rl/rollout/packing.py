@@ -8,6 +8,8 @@ Example (P prompt tokens, C completion tokens, E env tokens; the env edits histo
        group=G/rollout=R/branch=1: [P2 C3]        mask [0 1]
 Completion tokens carry mask 1, the generator's logprob (NaN kept as given), their turn's advantage
 (per-turn credit) or else the rollout's, and the policy version that sampled them; prompt and env tokens carry 0, 0.0, 0.0 and -1.
+The reward a critic's GAE reads sits on one token per turn: each turn's reward on its last
+completion token (per-turn credit), else the rollout's reward on its last completion token.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def rollout_to_training_samples(rollout: Rollout) -> list[TrainingSample]:
         logprobs: list[float] = []
         advantages: list[float] = []
         versions: list[int] = []
+        rewards: list[float] = []
         for turn in branch:
             delta = turn.prompt_token_ids[len(token_ids):]
             completion = turn.completion_token_ids
@@ -61,6 +64,13 @@ def rollout_to_training_samples(rollout: Rollout) -> list[TrainingSample]:
             advantage = rollout.advantage if turn.advantage is None else turn.advantage
             advantages += [0.0] * len(delta) + [advantage] * len(completion)
             versions += [-1] * len(delta) + list(turn.policy_versions)
+            rewards += [0.0] * (len(delta) + len(completion))
+            if completion and turn.reward is not None:  # per-turn credit: the turn's reward
+                rewards[-1] = turn.reward
+        if branch[-1] is rollout.turns[-1] and rollout.turns[-1].reward is None and any(
+                loss_mask):
+            # the episode's reward on its last generated token
+            rewards[max(i for i, m in enumerate(loss_mask) if m)] = rollout.reward
         samples.append(TrainingSample(
             sample_id=f"{rollout.session_id}/branch={branch_index}",
             group_id=rollout.group_id,
@@ -69,6 +79,7 @@ def rollout_to_training_samples(rollout: Rollout) -> list[TrainingSample]:
             generator_logprobs=logprobs,
             advantages=advantages,
             policy_versions=versions,
+            rewards=rewards,
         ))
     return samples
 

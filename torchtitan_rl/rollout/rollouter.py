@@ -90,7 +90,8 @@ class Rollouter(Configurable):
         advantage: AdvantageEstimator = "grpo"
         """Advantage estimator (rollout/advantage.py): "grpo" (scaled by advantage_std), "rloo"
         (leave-one-out baseline), "reinforce_pp" and "reinforce_pp_baseline" (REINFORCE++: no
-        baseline or the group mean, then whitened over each step's batch)."""
+        baseline or the group mean, then whitened over each step's batch), "gae" (PPO: from
+        the trainer's critic, needs trainer.critic.enabled)."""
         advantage_std: AdvantageStd = "sample"
         """How "grpo" scales a group's advantages r_i - mean(r). "sample": divided by the group
         reward std with Bessel's correction (n - 1), + 1e-6: GRPO as verl and TRL compute it.

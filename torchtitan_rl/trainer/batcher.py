@@ -59,6 +59,8 @@ class TrainingBatch:
     """float32 advantage of the target token (0 where not trained)."""
     policy_versions: torch.Tensor
     """int64 policy version that sampled the target token (-1 where not trained)."""
+    rewards: torch.Tensor
+    """float32 reward credited to the target token (TrainingSample.rewards; 0 elsewhere)."""
     sequence_valid_tokens: torch.Tensor
     """int64 valid tokens of the position's sample (0 on padding): T_i of the seq-mean losses."""
     num_valid_tokens: int
@@ -83,6 +85,7 @@ class TrainingBatch:
             for field in (
                 "input_ids", "positions", "document_ids", "labels", "loss_mask",
                 "generator_logprobs", "advantages", "policy_versions", "sequence_valid_tokens",
+                "rewards",
             )
         }
 
@@ -179,6 +182,7 @@ def _empty_grid(num_rows: int, seq_len: int, pad_token_id: int) -> dict[str, tor
         "generator_logprobs": torch.zeros(shape, dtype=torch.float32),
         "advantages": torch.zeros(shape, dtype=torch.float32),
         "policy_versions": torch.full(shape, -1, dtype=torch.int64),
+        "rewards": torch.zeros(shape, dtype=torch.float32),
     }
 
 
@@ -203,4 +207,6 @@ def _fill_row(
         grid["policy_versions"][row, target] = torch.tensor(
             sample.policy_versions[1:], dtype=torch.int64
         )
+        if sample.rewards:
+            grid["rewards"][row, target] = torch.tensor(sample.rewards[1:], dtype=torch.float32)
         start = end

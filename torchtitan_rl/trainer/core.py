@@ -35,6 +35,7 @@ from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.faults import nan_loss_due
 from torchtitan_rl.trainer.batch_log import BatchLog
 from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
+from torchtitan_rl.trainer.critic import ValueCritic, clipped_value_loss, gae
 from torchtitan_rl.trainer.flops import UtilizationMeter
 from torchtitan_rl.trainer.loss import (
     MAX_KEYS,
@@ -103,6 +104,8 @@ class PolicyTrainerCore(Configurable):
         """torch intra-op threads of this rank; None leaves torch's default. On a small CPU box
         give each rank cores / ranks (spinning OpenMP threads on shared cores stall training)."""
         loss: PolicyLoss.Config = dataclasses.field(default_factory=PolicyLoss.Config)
+        critic: ValueCritic.Config = dataclasses.field(default_factory=ValueCritic.Config)
+        """PPO's value model and GAE advantages (trainer/critic.py); off by default."""
         debug_batch_log: str = ""
         """Debugging and tests ("" = off): a JSONL file, one line per microbatch each rank trains
         on: input_ids, positions, document_ids, loss_mask, advantages (trainer/batch_log.py)."""
@@ -114,6 +117,9 @@ class PolicyTrainerCore(Configurable):
                 raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
             if self.num_threads is not None and self.num_threads < 1:
                 raise ValueError(f"num_threads must be >= 1 or None, got {self.num_threads}")
+            if self.critic.enabled and self.tensor_parallel_degree != 1:
+                raise ValueError("critic.enabled needs tensor_parallel_degree 1 (the value head "
+                                 "is not sharded)")
             if self.tensor_parallel_degree < 1:
                 raise ValueError(
                     f"tensor_parallel_degree must be >= 1, got {self.tensor_parallel_degree}"
@@ -175,6 +181,9 @@ class PolicyTrainerCore(Configurable):
         if config.loss.uses_reference_model:
             torch.manual_seed(config.seed)  # a flavor's reference is its policy's initialisation
             self.reference_model = self._build_model().eval().requires_grad_(False)
+        self.critic: ValueCritic | None = None
+        if config.critic.enabled:
+            self.critic = config.critic.build(model=self._build_model(value_head=True))
         self.loss_fn = config.loss.build()
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(
@@ -217,8 +226,12 @@ class PolicyTrainerCore(Configurable):
         self.model.train()
         sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
         maxima = torch.zeros(len(MAX_KEYS), dtype=torch.float64)
+        critic_targets = self._critic_targets(batch) if self.critic is not None else None
+        critic_sums = torch.zeros(4, dtype=torch.float64)
         for index in range(batch.num_microbatches):
             data = {k: v.to(self.device) for k, v in batch.microbatch(index, self.dp_rank).items()}
+            if critic_targets is not None:
+                data["advantages"] = critic_targets[index][0]
             self.utilization.count(data["document_ids"])
             if self.batch_log is not None:
                 self.batch_log.write(policy_version=self.policy_version, dp_rank=self.dp_rank,
@@ -247,6 +260,9 @@ class PolicyTrainerCore(Configurable):
             )
             if nan_loss_due(self.policy_version):  # fault injection (tests)
                 loss = loss * float("nan")
+            if critic_targets is not None:
+                loss = loss + self._value_loss(data, *critic_targets[index][1:],
+                                               batch.num_valid_tokens, critic_sums)
             loss.backward()
             sums += torch.stack([mb_sums[k].double().cpu() for k in SUM_KEYS])
             maxima = torch.maximum(maxima, torch.stack([mb_max[k].double().cpu() for k in MAX_KEYS]))
@@ -255,6 +271,12 @@ class PolicyTrainerCore(Configurable):
             dict(zip(SUM_KEYS, sums.tolist())), dict(zip(MAX_KEYS, maxima.tolist()))
         )
         metrics.update(batch.metrics)
+        if critic_targets is not None:
+            critic_sums, _ = self._reduce_over_dp(critic_sums, torch.zeros(1, dtype=torch.float64))
+            value_loss, clipped, value, target = critic_sums.tolist()
+            n = max(batch.num_valid_tokens, 1)
+            metrics.update({"critic/value_loss": value_loss / n, "critic/clipped_frac": clipped / n,
+                            "critic/value_mean": value / n, "critic/return_mean": target / n})
         metrics["trainer/forward_backward_s"] = time.perf_counter() - start
         return metrics
 
@@ -276,6 +298,16 @@ class PolicyTrainerCore(Configurable):
             foreach=True,
         )
         finite = bool(torch.isfinite(grad_norm))
+        critic_metrics: dict[str, float] = {}
+        if self.critic is not None:
+            critic_norm = dist_utils.clip_grad_norm_(
+                list(self.critic.model.parameters()), self.critic.config.max_grad_norm,
+                foreach=True)
+            finite = finite and bool(torch.isfinite(critic_norm))
+            if finite:
+                self.critic.optimizer.step()
+            self.critic.optimizer.zero_grad(set_to_none=True)
+            critic_metrics["critic/grad_norm"] = float(critic_norm)
         if finite:
             self.optimizer.step()
         else:
@@ -285,6 +317,7 @@ class PolicyTrainerCore(Configurable):
         self.policy_version += 1
         return {
             **self.utilization.finish(),
+            **critic_metrics,
             "trainer/grad_norm": float(grad_norm),
             "trainer/skipped_step": 0.0 if finite else 1.0,
             "trainer/lr": lr,
@@ -353,12 +386,23 @@ class PolicyTrainerCore(Configurable):
             path, model=self.model, optimizer=self.optimizer, step=self.policy_version,
             extra=extra or {},
         )
+        if self.critic is not None:
+            ckpt.save_checkpoint(os.path.join(path, "critic"), model=self.critic.model,
+                                 optimizer=self.critic.optimizer, step=self.policy_version,
+                                 extra={})
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict[str, Any]:
         """Restore what save_checkpoint wrote (weights_only); returns its ``extra``."""
         from torchtitan_rl.trainer import checkpoint as ckpt
 
         step, extra = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        if self.critic is not None:
+            critic_path = os.path.join(path, "critic")
+            if not os.path.isfile(os.path.join(critic_path, ".metadata")):
+                raise FileNotFoundError(f"{path} holds no critic (trainer.critic.enabled is on; "
+                                        "the checkpoint was written without it)")
+            ckpt.load_checkpoint(critic_path, model=self.critic.model,
+                                 optimizer=self.critic.optimizer)
         self.policy_version = step
         return extra
 
@@ -373,7 +417,7 @@ class PolicyTrainerCore(Configurable):
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    def _build_model(self) -> torch.nn.Module:
+    def _build_model(self, value_head: bool = False) -> torch.nn.Module:
         from torchtitan_rl.models.qwen3 import build_qwen3_from_hf
         from torchtitan_rl.trainer.parallel import parallelize_model
 
@@ -386,6 +430,10 @@ class PolicyTrainerCore(Configurable):
             model = build_qwen3_from_hf(
                 self.model_dir, device=self.device, model_config=self.model_config
             )
+        if value_head:  # the critic: V = 0 until it learns (a tied embedding keeps its weight)
+            model.lm_head = torch.nn.Linear(self.model_config.dim, 1, bias=False,
+                                            device=self.device)
+            torch.nn.init.zeros_(model.lm_head.weight)
         if self.parallel_dims is not None:
             parallelize_model(model, self.parallel_dims, param_dtype=self.compute_dtype)
         return model
@@ -402,6 +450,51 @@ class PolicyTrainerCore(Configurable):
         if isinstance(logits, DTensor):  # TP: vocab-sharded logits, gathered for the loss
             logits = logits.full_tensor()
         return logits
+
+    def _values(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The value model's V at every position of a microbatch, float32 [rows, seq_len]."""
+        assert self.critic is not None
+        with self._autocast():
+            values = self._logits(data["input_ids"], data["positions"], model=self.critic.model)
+        return values.squeeze(-1).float()
+
+    def _critic_targets(self, batch: TrainingBatch
+                        ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per microbatch of this rank: (GAE advantages whitened over the step, returns, the
+        values they were computed from), before any update (trainer/critic.py)."""
+        assert self.critic is not None
+        cfg = self.critic.config
+        raw = []
+        totals = torch.zeros(3, dtype=torch.float64)
+        for index in range(batch.num_microbatches):
+            data = {k: v.to(self.device) for k, v in batch.microbatch(index, self.dp_rank).items()}
+            with torch.no_grad():
+                values = self._values(data)
+            advantages, returns = gae(data["rewards"], values, data["loss_mask"],
+                                      data["document_ids"], gamma=cfg.gamma, lam=cfg.lam)
+            valid = data["loss_mask"] & torch.isfinite(data["generator_logprobs"])
+            picked = advantages[valid].double().cpu()
+            totals += torch.stack([torch.tensor(float(picked.numel()), dtype=torch.float64),
+                                   picked.sum(), picked.square().sum()])
+            raw.append((advantages, returns, values, valid))
+        totals, _ = self._reduce_over_dp(totals, torch.zeros(1, dtype=torch.float64))
+        return [(self.critic.whiten(a, valid, tuple(totals.tolist())), r, v)
+                for a, r, v, valid in raw]
+
+    def _value_loss(self, data: dict[str, torch.Tensor], returns: torch.Tensor,
+                    old_values: torch.Tensor, num_valid_tokens: int,
+                    sums: torch.Tensor) -> torch.Tensor:
+        """This microbatch's share of the step's value loss (a mean over valid tokens); adds
+        (loss, clipped, value, return) sums into ``sums``."""
+        assert self.critic is not None
+        valid = data["loss_mask"] & torch.isfinite(data["generator_logprobs"])
+        values = self._values(data)
+        loss_sum, clipped = clipped_value_loss(values, old_values, returns, valid,
+                                               self.critic.config.value_clip)
+        sums += torch.stack([loss_sum.detach().double().cpu(), clipped.double().cpu(),
+                             values.detach()[valid].double().sum().cpu(),
+                             returns[valid].double().sum().cpu()])
+        return loss_sum / max(int(num_valid_tokens), 1)
 
     def _autocast(self) -> Any:
         # Several ranks: FSDP's mixed-precision policy already casts; one rank: autocast.
