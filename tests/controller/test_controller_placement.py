@@ -61,13 +61,16 @@ def test_job_attached_to_tcp_workers_trains_with_the_message_transport(tmp_path)
         # One tensor-parallel-2 generator: its ranks decide in lockstep (the rank-0 LoopDecision
         # broadcast in a job), and a push reaches its host once (rank 0 shares it with rank 1).
         # Also PPO with a critic off-policy (S = 1): GAE from a value model trained beside the
-        # policy (the algorithms' real-stack run for "gae").
+        # policy, a k3 KL penalty in the rewards (the algorithms' real-stack run for "gae").
         config = dataclasses.replace(
             config, placement=Placement.Config(kind="attach", workers=addresses),
             generator_tensor_parallel_degrees=[2],
             rollouter=dataclasses.replace(config.rollouter, advantage="gae"),
-            trainer=dataclasses.replace(config.trainer, weight_transport="message",
-                                        critic=ValueCritic.Config(enabled=True, lr=1e-2)))
+            trainer=dataclasses.replace(
+                config.trainer, weight_transport="message",
+                critic=ValueCritic.Config(enabled=True, lr=1e-2),
+                loss=dataclasses.replace(config.trainer.loss, kl_coef=0.05,
+                                         kl_placement="reward")))
         summary = main(config)
         assert all(worker.poll() is None for worker in workers)  # the run stopped procs only
     finally:
@@ -84,6 +87,8 @@ def test_job_attached_to_tcp_workers_trains_with_the_message_transport(tmp_path)
         assert math.isfinite(metrics[step]["loss/objective"])
     # the value head starts at 0 and has moved after the first update
     assert metrics[0]["critic/value_mean"] == 0.0 and metrics[1]["critic/value_mean"] != 0.0
+    # the KL penalty: none before the policy moved, some after
+    assert metrics[0]["loss/kl_mean"] == 0.0 and metrics[1]["loss/kl_mean"] > 0.0
 
 
 @pytest.mark.slow

@@ -155,3 +155,39 @@ def test_gae_and_the_critic_go_together_in_a_job_config() -> None:
     config = parse_args(RLJob.Config, ["--rollouter.advantage", "gae",
                                        "--trainer.critic.enabled", "true"]).config
     assert config.trainer.critic.enabled
+
+
+def test_kl_in_the_reward_penalises_each_generated_token() -> None:
+    from torchtitan_rl.trainer.critic import kl_penalised_rewards
+
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
+    logprobs = torch.tensor([[-1.0, -0.5, -2.0, -3.0]])
+    reference = torch.tensor([[-1.5, -0.5, -1.0, -9.0]])
+    valid = torch.tensor([[True, True, True, False]])
+    shaped, kl = kl_penalised_rewards(rewards, logprobs, reference, valid, coef=0.1,
+                                      estimator="k1")
+    # k1 = log pi - log pi_ref: 0.5, 0, -1 (and nothing on a token that is not generated)
+    assert kl[0].tolist() == pytest.approx([0.5, 0.0, -1.0, 0.0])
+    assert shaped[0].tolist() == pytest.approx([-0.05, 0.0, 1.1, 0.0])
+
+
+def test_kl_in_the_reward_is_zero_until_the_policy_moves(model_dir) -> None:
+    def core(placement: bool) -> PolicyTrainerCore:
+        config = PolicyTrainerCore.Config(num_threads=1, critic=ValueCritic.Config(enabled=True))
+        config.optimizer.lr = 1e-2
+        if placement:
+            config.loss.kl_coef, config.loss.kl_placement = 0.5, "reward"
+        return config.build(model_dir=model_dir)
+
+    with_kl, without = core(True), core(False)
+    batch = _batch(1)
+    first = with_kl.forward_backward(batch)
+    assert first["loss/kl_mean"] == 0.0  # the reference is the starting policy
+    assert first["critic/return_mean"] == without.forward_backward(batch)["critic/return_mean"]
+    with_kl.optim_step()
+    second = with_kl.forward_backward(batch)
+    assert second["loss/kl_mean"] != 0.0 and math.isfinite(second["critic/return_mean"])
+    from torchtitan_rl.trainer.loss import PolicyLoss
+
+    with pytest.raises(ValueError, match="kl_placement = 'reward' needs"):  # no critic
+        PolicyTrainerCore.Config(loss=PolicyLoss.Config(kl_coef=0.1, kl_placement="reward"))

@@ -35,7 +35,12 @@ from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.faults import nan_loss_due
 from torchtitan_rl.trainer.batch_log import BatchLog
 from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
-from torchtitan_rl.trainer.critic import ValueCritic, clipped_value_loss, gae
+from torchtitan_rl.trainer.critic import (
+    ValueCritic,
+    clipped_value_loss,
+    gae,
+    kl_penalised_rewards,
+)
 from torchtitan_rl.trainer.flops import UtilizationMeter
 from torchtitan_rl.trainer.loss import (
     MAX_KEYS,
@@ -117,6 +122,10 @@ class PolicyTrainerCore(Configurable):
                 raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
             if self.num_threads is not None and self.num_threads < 1:
                 raise ValueError(f"num_threads must be >= 1 or None, got {self.num_threads}")
+            if self.loss.kl_placement == "reward" and not (self.critic.enabled
+                                                            and self.loss.kl_coef > 0):
+                raise ValueError("loss.kl_placement = 'reward' needs loss.kl_coef > 0 and "
+                                 "critic.enabled (the penalty enters the rewards GAE reads)")
             if self.critic.enabled and self.tensor_parallel_degree != 1:
                 raise ValueError("critic.enabled needs tensor_parallel_degree 1 (the value head "
                                  "is not sharded)")
@@ -277,6 +286,8 @@ class PolicyTrainerCore(Configurable):
             n = max(batch.num_valid_tokens, 1)
             metrics.update({"critic/value_loss": value_loss / n, "critic/clipped_frac": clipped / n,
                             "critic/value_mean": value / n, "critic/return_mean": target / n})
+            if self.config.loss.kl_placement == "reward":
+                metrics["loss/kl_mean"] = self._reward_kl_sum / n
         metrics["trainer/forward_backward_s"] = time.perf_counter() - start
         return metrics
 
@@ -466,20 +477,42 @@ class PolicyTrainerCore(Configurable):
         cfg = self.critic.config
         raw = []
         totals = torch.zeros(3, dtype=torch.float64)
+        kl_sum = 0.0
         for index in range(batch.num_microbatches):
             data = {k: v.to(self.device) for k, v in batch.microbatch(index, self.dp_rank).items()}
+            rewards = data["rewards"]
             with torch.no_grad():
                 values = self._values(data)
-            advantages, returns = gae(data["rewards"], values, data["loss_mask"],
+                if self.config.loss.kl_placement == "reward":
+                    rewards, kl = self._kl_penalised_rewards(data)
+                    kl_sum += float(kl.sum())
+            advantages, returns = gae(rewards, values, data["loss_mask"],
                                       data["document_ids"], gamma=cfg.gamma, lam=cfg.lam)
             valid = data["loss_mask"] & torch.isfinite(data["generator_logprobs"])
             picked = advantages[valid].double().cpu()
             totals += torch.stack([torch.tensor(float(picked.numel()), dtype=torch.float64),
                                    picked.sum(), picked.square().sum()])
             raw.append((advantages, returns, values, valid))
-        totals, _ = self._reduce_over_dp(totals, torch.zeros(1, dtype=torch.float64))
-        return [(self.critic.whiten(a, valid, tuple(totals.tolist())), r, v)
+        totals, _ = self._reduce_over_dp(
+            torch.cat([totals, torch.tensor([kl_sum], dtype=torch.float64)]),
+            torch.zeros(1, dtype=torch.float64))
+        self._reward_kl_sum = float(totals[3])
+        return [(self.critic.whiten(a, valid, tuple(totals[:3].tolist())), r, v)
                 for a, r, v, valid in raw]
+
+    def _kl_penalised_rewards(self, data: dict[str, torch.Tensor]
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.reference_model is not None
+        with self._autocast():
+            logits = self._logits(data["input_ids"], data["positions"])
+            reference_logits = self._logits(data["input_ids"], data["positions"],
+                                            model=self.reference_model)
+        logprobs, _ = token_logprobs_and_entropy(logits, data["labels"])
+        reference_logprobs, _ = token_logprobs_and_entropy(reference_logits, data["labels"])
+        valid = data["loss_mask"] & torch.isfinite(data["generator_logprobs"])
+        loss_cfg = self.config.loss
+        return kl_penalised_rewards(data["rewards"], logprobs, reference_logprobs, valid,
+                                    coef=loss_cfg.kl_coef, estimator=loss_cfg.kl_estimator)
 
     def _value_loss(self, data: dict[str, torch.Tensor], returns: torch.Tensor,
                     old_values: torch.Tensor, num_valid_tokens: int,

@@ -36,6 +36,7 @@ import math
 import torch
 
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.trainer.kl import KLEstimator, token_kl
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
@@ -60,6 +61,17 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
             returns[row, p] = advantage + v[row][p]
             next_value[doc], next_advantage[doc] = v[row][p], advantage
     return advantages, returns
+
+
+def kl_penalised_rewards(rewards: torch.Tensor, logprobs: torch.Tensor,
+                         reference_logprobs: torch.Tensor, valid: torch.Tensor, *, coef: float,
+                         estimator: KLEstimator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r_t - coef * KL_t on every generated token, KL_t) for ``loss.kl_placement = "reward"``:
+    the policy is penalised, token by token, for leaving the reference (verl's
+    use_kl_in_reward)."""
+    kl = torch.where(valid, token_kl(logprobs, reference_logprobs, estimator),
+                     torch.zeros_like(rewards))
+    return rewards - coef * kl, kl
 
 
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

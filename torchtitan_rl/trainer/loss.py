@@ -104,6 +104,10 @@ class PolicyLoss(Configurable):
         reference model is built). >= 0."""
         kl_estimator: KLEstimator = "k3"
         """Per-token KL estimator (trainer/kl.py): "k1", "k2" or "k3" (low variance, >= 0)."""
+        kl_placement: Literal["loss", "reward"] = "loss"
+        """Where the KL goes: "loss", a term of the loss; "reward", a penalty -kl_coef * KL_t on
+        each generated token's reward before GAE (verl's use_kl_in_reward; needs
+        trainer.critic.enabled)."""
 
         def __post_init__(self) -> None:
             if self.policy_loss not in POLICY_LOSSES:
@@ -131,6 +135,9 @@ class PolicyLoss(Configurable):
                 raise ValueError(f"loss.norm_length must be >= 0, got {self.norm_length}")
             if not self.kl_coef >= 0:
                 raise ValueError(f"loss.kl_coef must be >= 0, got {self.kl_coef}")
+            if self.kl_placement not in ("loss", "reward"):
+                raise ValueError(f"loss.kl_placement must be 'loss' or 'reward', got "
+                                 f"{self.kl_placement!r}")
             if self.kl_estimator not in ("k1", "k2", "k3"):
                 raise ValueError(f"loss.kl_estimator must be 'k1', 'k2' or 'k3', got "
                                  f"{self.kl_estimator!r}")
@@ -212,7 +219,7 @@ class PolicyLoss(Configurable):
         else:
             loss = (surrogate * coefficient).sum()
         kl = zeros
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0 and cfg.kl_placement == "loss":
             if reference_logprobs is None:
                 raise ValueError("loss.kl_coef > 0 needs the reference model's logprobs")
             kl = torch.where(valid, token_kl(logp, reference_logprobs, cfg.kl_estimator), zeros)
