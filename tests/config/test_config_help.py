@@ -225,3 +225,17 @@ def test_an_unknown_help_section_is_one_error_line_listing_the_sections(capsys):
     assert lines[0].startswith("error: --help trainer.optimiser: no such section; the sections "
                                "are job, model, warm_start, task, ")
     assert "trainer.optimizer" in lines[0]
+
+
+def test_help_for_an_agent_task_lists_its_episode_tasks_options():
+    out = _help("--config", "run_configs/alphabet_sort_agent.toml", "--help", "task.episodes")
+    assert "--task.episodes.min_turns int  (default: 1; TOML: 1)" in out
+    assert "--task.episodes.max_names_per_turn" in out
+    # named on the command line too, and the same from source and from the imported classes
+    argv = ["--task.type", "torchtitan_rl.rollout.agent_task:AgentTask",
+            "--task.episodes.type=examples.alphabet_sort:AlphabetSortTask"]
+    assert "--task.episodes.min_turns int  (default: 1)" in _help(*argv, "--help", "task")
+    types = {"task": "torchtitan_rl.rollout.agent_task:AgentTask",
+             "task.episodes": "examples.alphabet_sort:AlphabetSortTask"}
+    assert ([dataclasses.asdict(s) for s in static_sections(ROOT_CONFIG, types)]
+            == [dataclasses.asdict(s) for s in live_sections(ROOT_CONFIG, types)])

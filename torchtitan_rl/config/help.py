@@ -118,18 +118,30 @@ def show(value: Any) -> str:
 
 
 # ---- the tree, read from source -----------------------------------------------------------------
-def static_sections(root: str, task_type: str | None) -> list[Section]:
-    """The option sections of ``root`` read from source; ``task_type`` picks the polymorphic
-    task's class. Raises SourceSchemaError when the source holds what the reader cannot evaluate."""
+TaskTypes = str | dict[str, str] | None
+"""The classes polymorphic fields take, by path (``{"task": ..., "task.episodes": ...}``); a
+string is the job's task's."""
+
+
+def _by_path(task_types: TaskTypes) -> dict[str, str]:
+    if task_types is None:
+        return {}
+    return {"task": task_types} if isinstance(task_types, str) else dict(task_types)
+
+
+def static_sections(root: str, task_types: TaskTypes) -> list[Section]:
+    """The option sections of ``root`` read from source; ``task_types`` pick the polymorphic
+    fields' classes. Raises SourceSchemaError when the source holds what the reader cannot
+    evaluate."""
     index = ss.SourceIndex()
     root_cls = index.class_at(root)
     sections: dict[str, Section] = {}
-    _static_walk(index, index.instance(root_cls), "", "", sections, task_type)
+    _static_walk(index, index.instance(root_cls), "", "", sections, _by_path(task_types))
     return _ordered(sections)
 
 
 def _static_walk(index: ss.SourceIndex, instance: ss.Instance, prefix: str, doc: str,
-                 sections: dict[str, Section], task_type: str | None) -> None:
+                 sections: dict[str, Section], types: dict[str, str]) -> None:
     section = sections.setdefault(prefix, Section(path=prefix, doc=doc))
     for field in index.fields(instance.cls):
         path = f"{prefix}.{field.name}" if prefix else field.name
@@ -140,10 +152,9 @@ def _static_walk(index: ss.SourceIndex, instance: ss.Instance, prefix: str, doc:
                                           type=_type_text(index, field.module, field.annotation)))
             continue
         if index.class_var(child_cls, "polymorphic"):
-            # --task.type picks the job's task; a task's own polymorphic field (AgentTask's
-            # episodes) shows its `type` key only, else the walk would nest the task in itself.
-            top = "." not in path
-            concrete = index.class_at(task_type) if task_type and top else None
+            # --task.type (or a TOML's [task] type) picks the job's task, --task.episodes.type
+            # an agent task's episode task; a polymorphic field nobody named shows its `type`.
+            concrete = index.class_at(types[path]) if path in types else None
             child_doc = field.doc or _class_doc(child_cls)
             sub = sections.setdefault(path, Section(path=path, doc=child_doc))
             sub.options.append(Option(path=f"{path}.type", type="str", doc=TASK_TYPE_DOC,
@@ -153,7 +164,7 @@ def _static_walk(index: ss.SourceIndex, instance: ss.Instance, prefix: str, doc:
             child = value
         if not isinstance(child, ss.Instance):
             child = index.instance(child_cls)
-        _static_walk(index, child, path, field.doc or _class_doc(child.cls), sections, task_type)
+        _static_walk(index, child, path, field.doc or _class_doc(child.cls), sections, types)
 
 
 def _config_class(index: ss.SourceIndex, module: ss.SourceModule,
@@ -226,7 +237,7 @@ def _class_doc(cls: ss.SourceClass) -> str:
 
 
 # ---- the tree, imported (fallback; and what tests compare the source reader with) ---------------
-def live_sections(root: str, task_type: str | None) -> list[Section]:
+def live_sections(root: str, task_types: TaskTypes) -> list[Section]:
     """The same sections from the imported classes (docstrings still read from source)."""
     import importlib
 
@@ -244,6 +255,7 @@ def live_sections(root: str, task_type: str | None) -> list[Section]:
         root_cls = getattr(root_cls, part)
     index = ss.SourceIndex()
     sections: dict[str, Section] = {}
+    types = _by_path(task_types)
 
     def docs_of(cls: type, name: str) -> str:
         for klass in cls.__mro__:
@@ -269,8 +281,8 @@ def live_sections(root: str, task_type: str | None) -> list[Section]:
                 sub = sections.setdefault(path, Section(path=path, doc=field_doc))
                 sub.options.append(Option(path=f"{path}.type", type="str", doc=TASK_TYPE_DOC,
                                           default="required"))
-                if task_type and "." not in path:  # as in _static_walk
-                    child = import_config_class(task_type, inner[0], f"{path}.type")()
+                if path in types:  # as in _static_walk
+                    child = import_config_class(types[path], inner[0], f"{path}.type")()
             cls_doc = _class_doc(index.class_at(f"{type(child).__module__}:"
                                                 f"{type(child).__qualname__}"))
             walk(child, path, field_doc or cls_doc)
@@ -366,15 +378,20 @@ def sections_for(argv: list[str], *, root: str = ROOT_CONFIG) -> list[Section]:
 
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--config")
-    parser.add_argument("--task.type", dest="task_type")
-    args, _ = parser.parse_known_args(argv)
+    args, rest = parser.parse_known_args(argv)
     data = load_toml(args.config) if args.config else {}
-    task_type = args.task_type or (data.get("task") or {}).get("type")
+    types = _toml_types(data)
+    for index, arg in enumerate(rest):  # --<path>.type X or --<path>.type=X
+        name, equals, value = arg.partition("=")
+        if name.startswith("--") and name.endswith(".type"):
+            if not equals:
+                value = rest[index + 1] if index + 1 < len(rest) else ""
+            types[name[2:-len(".type")]] = value
     try:
-        sections = static_sections(root, task_type)
+        sections = static_sections(root, types)
     except ss.SourceSchemaError as e:
         logger.debug("help: reading the config from source failed (%s); importing it", e)
-        sections = live_sections(root, task_type)
+        sections = live_sections(root, types)
     for section in sections:
         for option in section.options:
             value = _lookup(data, option.path)
@@ -384,6 +401,18 @@ def sections_for(argv: list[str], *, root: str = ROOT_CONFIG) -> list[Section]:
 
 
 _ABSENT = object()
+
+
+def _toml_types(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Every table's ``type`` key in a TOML, by the table's path."""
+    types: dict[str, str] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            path = f"{prefix}.{key}" if prefix else key
+            if isinstance(value.get("type"), str):
+                types[path] = value["type"]
+            types.update(_toml_types(value, path))
+    return types
 
 
 def _lookup(data: dict[str, Any], path: str) -> Any:
