@@ -15,10 +15,8 @@ from torchtitan_rl.task import TaskConfig
 
 
 class LetterEnv(MessageEnv):
-    def __init__(self, prompt: str, constant_reward: float | None = None,
-                 broken: bool = False) -> None:
+    def __init__(self, prompt: str, broken: bool = False) -> None:
         self.prompt = prompt
-        self.constant_reward = constant_reward
         self.broken = broken
 
     async def init(self) -> list[Message]:
@@ -30,8 +28,6 @@ class LetterEnv(MessageEnv):
     def score(self, replies: list[str], reward_parts: list[dict[str, float]]) -> float:
         if self.broken:
             raise ValueError("this prompt's scorer is broken on purpose")
-        if self.constant_reward is not None:
-            return self.constant_reward
         letters = [c for c in "".join(replies).lower() if c.isalpha()]
         return sum(c <= "m" for c in letters) / len(letters) if letters else 0.0
 
@@ -41,9 +37,6 @@ class LetterTask(Configurable):
     class Config(TaskConfig):
         num_prompts: int = 64
         system_prompt: str | None = None
-        constant_reward_every: int = 0
-        """Prompts whose index is a multiple of this score 0.5 whatever the reply: their groups
-        carry no signal (dynamic sampling's real-stack test). 0: none."""
         broken_score_every: int = 0
         """Prompts whose index is 1 more than a multiple of this raise in score() (a task
         author's mistake: the failing-task tests). 1: every prompt. 0: none."""
@@ -55,7 +48,6 @@ class LetterTask(Configurable):
         return [f"Write words, {split} prompt {i}:" for i in range(self.config.num_prompts)]
 
     def make_env(self, prompt: str) -> LetterEnv:
-        every, broken = self.config.constant_reward_every, self.config.broken_score_every
+        broken = self.config.broken_score_every
         index = int(prompt.rstrip(":").rsplit(" ", 1)[1])
-        return LetterEnv(prompt, 0.5 if every and index % every == 0 else None,
-                         broken=bool(broken) and index % broken == 1 % broken)
+        return LetterEnv(prompt, broken=bool(broken) and index % broken == 1 % broken)
