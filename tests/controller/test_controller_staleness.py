@@ -11,13 +11,19 @@ from torchtitan_rl.controller.loop.data_cursor import DataCursor
 from torchtitan_rl.controller.loop.staleness import StalenessGate
 
 
-async def _simulate(max_staleness: int, groups_per_step: int, num_steps: int, seed: int):
-    """Workers admit groups and finish them in a random order; the trainer consumes P per step and
-    publishes a new version after each. Returns per-step (group_id, admit_version) lists."""
+async def _simulate(max_staleness: int, groups_per_step: int, num_steps: int, seed: int, *,
+                    replacements: int = 0, dropped: frozenset[int] = frozenset()):
+    """Workers admit groups (as the loop's producer: up to the run's total) and finish them in a
+    random order; the trainer consumes P per step and publishes a new version after each. Groups
+    in ``dropped`` finish without a signal (dynamic sampling replaces up to ``replacements`` a
+    version). Returns per-step (group_id, admit_version) lists, the most groups outstanding at
+    once, and the ids replaced."""
     rng = random.Random(seed)
-    gate = StalenessGate.Config(max_staleness=max_staleness).build(groups_per_step=groups_per_step)
+    gate = StalenessGate.Config(max_staleness=max_staleness).build(
+        groups_per_step=groups_per_step, replacements_per_version=replacements)
     running: list[int] = []
     steps: list[list[tuple[int, int]]] = []
+    replaced: list[int] = []
     max_admitted_seen = 0
 
     async def trainer() -> None:
@@ -29,23 +35,24 @@ async def _simulate(max_staleness: int, groups_per_step: int, num_steps: int, se
     train_task = asyncio.create_task(trainer())
     while not train_task.done():
         # admit whatever capacity allows, then finish one random running group
-        while gate.can_admit():
+        while gate.can_admit() and gate.num_admitted_live < num_steps * groups_per_step:
             group_id, _ = await gate.admit()
             running.append(group_id)
-        max_admitted_seen = max(max_admitted_seen, gate.num_admitted - gate.num_consumed)
+        max_admitted_seen = max(max_admitted_seen, gate.num_admitted_live - gate.num_consumed)
         if running:
             group_id = running.pop(rng.randrange(len(running)))
-            await gate.finish(group_id, result=f"g{group_id}")
+            if await gate.finish(group_id, f"g{group_id}", replaceable=group_id in dropped):
+                replaced.append(group_id)
         await asyncio.sleep(0)  # let the trainer task run (a scheduling point, not a wait on time)
     await train_task
-    return steps, max_admitted_seen
+    return steps, max_admitted_seen, replaced
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1, 2, 4])
 @pytest.mark.parametrize("seed", range(5))
 def test_staleness_bound_holds_under_random_finish_orders(max_staleness, seed):
     P = 3
-    steps, max_outstanding = asyncio.run(
+    steps, max_outstanding, _ = asyncio.run(
         asyncio.wait_for(_simulate(max_staleness, P, num_steps=12, seed=seed), timeout=30)
     )
     assert len(steps) == 12
@@ -59,7 +66,7 @@ def test_staleness_bound_holds_under_random_finish_orders(max_staleness, seed):
 
 
 def test_staleness_zero_partitions_groups_like_the_sync_loop():
-    steps, _ = asyncio.run(asyncio.wait_for(_simulate(0, 4, num_steps=5, seed=3), timeout=30))
+    steps, _, _ = asyncio.run(asyncio.wait_for(_simulate(0, 4, num_steps=5, seed=3), timeout=30))
     assert [[g for g, _ in s] for s in steps] == [list(range(4 * t, 4 * t + 4)) for t in range(5)]
     assert all(v == t for t, s in enumerate(steps) for _, v in s)
 
@@ -81,41 +88,11 @@ def test_data_cursor_issues_every_prompt_once_per_epoch_and_is_a_pure_function()
 def test_finished_groups_overtake_stragglers_within_the_bound():
     overtakes = 0
     for seed in range(5):
-        steps, _ = asyncio.run(asyncio.wait_for(_simulate(2, 3, num_steps=12, seed=seed), timeout=30))
+        steps, _, _ = asyncio.run(asyncio.wait_for(_simulate(2, 3, num_steps=12, seed=seed),
+                                                   timeout=30))
         order = [g for s in steps for g, _ in sorted(s)]
         overtakes += sum(1 for a, b in zip(order, order[1:]) if b < a)
     assert overtakes > 0  # the long tail does not hold finished groups back
-
-
-async def _simulate_dynamic_sampling(max_staleness: int, groups_per_step: int, num_steps: int,
-                                     seed: int, replacements: int, dropped: set[int]):
-    """As _simulate, with dynamic sampling: groups in ``dropped`` finish without a signal.
-    Returns per-step taken group ids and the ids replaced."""
-    rng = random.Random(seed)
-    gate = StalenessGate.Config(max_staleness=max_staleness).build(
-        groups_per_step=groups_per_step, replacements_per_version=replacements)
-    running: list[int] = []
-    steps: list[list[tuple[int, int]]] = []
-    replaced: list[int] = []
-
-    async def trainer() -> None:
-        for step in range(num_steps):
-            taken = await gate.take_step_groups(step)
-            steps.append([(g, v) for g, v, _ in taken])
-            await gate.publish_version(step + 1)
-
-    train_task = asyncio.create_task(trainer())
-    while not train_task.done():
-        while gate.can_admit() and gate.num_admitted_live < num_steps * groups_per_step:
-            group_id, _ = await gate.admit()
-            running.append(group_id)
-        if running:
-            group_id = running.pop(rng.randrange(len(running)))
-            if await gate.finish(group_id, f"g{group_id}", replaceable=group_id in dropped):
-                replaced.append(group_id)
-        await asyncio.sleep(0)  # let the trainer task run (a scheduling point, not a wait on time)
-    await train_task
-    return steps, replaced
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1, 3])
@@ -123,8 +100,9 @@ async def _simulate_dynamic_sampling(max_staleness: int, groups_per_step: int, n
 def test_dynamic_sampling_replaces_dropped_groups_within_the_staleness_bound(max_staleness, seed):
     P, num_steps = 3, 10
     dropped = set(random.Random(100 + seed).sample(range(80), 30))  # ~40 % carry no signal
-    steps, replaced = asyncio.run(asyncio.wait_for(_simulate_dynamic_sampling(
-        max_staleness, P, num_steps, seed, replacements=100, dropped=dropped), timeout=30))
+    steps, _, replaced = asyncio.run(asyncio.wait_for(_simulate(
+        max_staleness, P, num_steps, seed, replacements=100, dropped=frozenset(dropped)),
+        timeout=30))
     consumed = [g for step in steps for g, _ in step]
     assert len(consumed) == len(set(consumed)) == num_steps * P
     assert not set(consumed) & dropped  # no step trains a group without a signal
@@ -141,13 +119,13 @@ def test_dynamic_sampling_replaces_dropped_groups_within_the_staleness_bound(max
 def test_dynamic_sampling_at_s0_trains_the_same_groups_in_any_finish_order(replacements):
     P, num_steps = 4, 6
     dropped = set(random.Random(7).sample(range(60), 25))
-    runs = [asyncio.run(asyncio.wait_for(_simulate_dynamic_sampling(
-        0, P, num_steps, seed, replacements=replacements, dropped=dropped), timeout=30))
-        for seed in range(5)]
+    runs = [asyncio.run(asyncio.wait_for(_simulate(
+        0, P, num_steps, seed, replacements=replacements, dropped=frozenset(dropped)),
+        timeout=30)) for seed in range(5)]
     kept = [[sorted(g for g, _ in step if g not in dropped) for step in steps]
-            for steps, _ in runs]
+            for steps, _, _ in runs]
     assert all(k == kept[0] for k in kept)  # what a step trains does not depend on the order
-    for steps, replaced in runs:
+    for steps, _, replaced in runs:
         per_step = [len([g for g, _ in step if g in dropped]) for step in steps]
         # a dropped group is trained (as nothing) only once the step's replacements ran out
         if replacements == 100:
@@ -158,7 +136,7 @@ def test_dynamic_sampling_at_s0_trains_the_same_groups_in_any_finish_order(repla
 
 
 def test_dynamic_sampling_off_counts_dropped_groups_toward_the_step():
-    steps, replaced = asyncio.run(asyncio.wait_for(_simulate_dynamic_sampling(
-        0, 2, 3, 0, replacements=0, dropped={0, 3}), timeout=30))
+    steps, _, replaced = asyncio.run(asyncio.wait_for(_simulate(
+        0, 2, 3, 0, dropped=frozenset({0, 3})), timeout=30))
     assert replaced == []
     assert [[g for g, _ in step] for step in steps] == [[0, 1], [2, 3], [4, 5]]
