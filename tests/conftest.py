@@ -34,10 +34,28 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "xdist_group(name): tests of one group run in one xdist worker (conftest.py)")
+    # trackio's local store (metrics.backends) is a user-wide folder: the tests' runs, in
+    # process and in the jobs they start, write to one of their own, removed at the end.
+    if "TRACKIO_DIR" not in os.environ:
+        import tempfile
+
+        config.stash[_TRACKIO_DIR] = os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(
+            prefix="torchtitan_rl_tests_trackio_")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
         torch.set_num_threads(1)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    trackio_dir = config.stash.get(_TRACKIO_DIR, None)
+    if trackio_dir is not None:
+        import shutil
+
+        shutil.rmtree(trackio_dir, ignore_errors=True)
+
+
+_TRACKIO_DIR = pytest.StashKey[str]()
 
 
 def _shared_fixture_group(item: pytest.Item) -> str | None:
@@ -148,7 +166,9 @@ def letters_toml_run(
 
     out = tmp_path_factory.mktemp("letters_toml")
     proc = run_module("torchtitan_rl.train", "--config", LETTERS_TOML, "--output_dir", str(out),
-                      *LETTERS_VALIDATION)
+                      *LETTERS_VALIDATION,
+                      # every tracker (tests/metrics/test_metrics_sinks_job.py reads them back)
+                      "--metrics.backends", "tensorboard,wandb,trackio,mlflow")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out / "letters", proc
 

@@ -213,6 +213,7 @@ def test_bad_task_type_is_one_line_naming_the_key(tmp_path, type_path, message):
                                  "loop.staleness.max_staleness = 0 for synchronous training"),
     ("[loop]\nprompts_per_step = 4\n", "loop.prompts_per_step: renamed loop.groups_per_step"),
     ("[async_loop.staleness]\nmax_staleness = 1\n", "async_loop: moved into [loop]"),
+    ("[metrics]\ntensorboard = false\n", "metrics.tensorboard: replaced by metrics.backends"),
 ])
 def test_moved_keys_say_what_to_write(tmp_path, text, message):
     with pytest.raises(ConfigError) as e:

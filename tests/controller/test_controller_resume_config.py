@@ -101,7 +101,7 @@ def test_extending_a_run_and_changing_logging_and_checkpointing_resumes(saved, c
         validation=dataclasses.replace(config.validation, every_steps=5),
         checkpoint=dataclasses.replace(config.checkpoint, every_steps=5, keep_last=1,
                                        resume="must"),
-        metrics=dataclasses.replace(config.metrics, tensorboard=False),
+        metrics=dataclasses.replace(config.metrics, backends=[]),
         placement=dataclasses.replace(config.placement, host_timeout_s=30.0),
     )
     with caplog.at_level(logging.INFO):

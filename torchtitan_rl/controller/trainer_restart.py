@@ -71,7 +71,8 @@ async def restart_trainer(plan: ResolvedJob, parts: RunParts, watch: MeshFailure
         None, ControllerState(step=0, next_group_id=0))
     parts.checkpointer.forget_steps_from(state.step)
     parts.metrics.close()
-    parts.metrics = plan.metrics.build(run_dir=pathlib.Path(plan.run_dir), purge_step=state.step)
+    parts.metrics = plan.metrics.build(run_dir=pathlib.Path(plan.run_dir), purge_step=state.step,
+                                       run_config=parts.checkpointer.job_config)
     await continue_from(parts, resume_dir, state, rewind=True)
     logger.warning("trainer restarted in %.1f s; the run goes on from %s",
                    time.perf_counter() - start,

@@ -1,7 +1,11 @@
-"""Per-step metrics: TensorBoard scalars, a JSONL copy, and a reward-curve PNG at the end.
+"""Per-step metrics: the trackers of `backends` (metrics/sinks.py), a JSONL copy, and a
+reward-curve PNG at the end.
+
+    controller loop --log(step, metrics)--> every open sink, metrics.jsonl, one INFO line
+                    --close()-->            every sink closed (a failing one dropped, warned once)
 
 Keys are `area/component/name` (e.g. `rollout_reward/mean`, `loss/clipped_frac`, `time/generate_s`).
-Non-finite values are written as they are (TensorBoard shows them) and counted in `num_nonfinite`.
+Non-finite values are written as they are (the trackers show them) and counted in `num_nonfinite`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,16 @@ import pathlib
 from typing import Any
 
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.metrics.sinks import (
+    BACKENDS,
+    MetricSink,
+    MlflowSink,
+    SinkContext,
+    TensorBoardSink,
+    TrackioSink,
+    WandbSink,
+    check_backends,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -21,8 +35,15 @@ logger = logging.getLogger(__name__)
 class MetricsLogger(Configurable):
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(Configurable.Config):
-        tensorboard: bool = True
-        """Write TensorBoard event files under `<run_dir>/tensorboard`."""
+        moved_keys = {"tensorboard": "replaced by metrics.backends, a list of trackers "
+                                     f"({', '.join(BACKENDS)}); [] writes none"}
+        backends: list[str] = dataclasses.field(default_factory=lambda: ["tensorboard"])
+        """The trackers each step's scalars go to, any of "tensorboard" (event files under
+        `<run_dir>/tensorboard`), "wandb", "trackio", "mlflow" (the last three need
+        `pip install -e '.[trackers]'`). Each gets the same scalars, steps and run config."""
+        wandb: WandbSink.Config = dataclasses.field(default_factory=WandbSink.Config)
+        trackio: TrackioSink.Config = dataclasses.field(default_factory=TrackioSink.Config)
+        mlflow: MlflowSink.Config = dataclasses.field(default_factory=MlflowSink.Config)
         jsonl: bool = True
         """Also append every step's metrics to `<run_dir>/metrics.jsonl`."""
         log_every_steps: int = 1
@@ -31,22 +52,24 @@ class MetricsLogger(Configurable):
         def __post_init__(self) -> None:
             if self.log_every_steps < 1:
                 raise ValueError(f"log_every_steps must be >= 1, got {self.log_every_steps}")
+            check_backends(self.backends)
 
     def __init__(self, config: Config, *, run_dir: pathlib.Path,
-                 purge_step: int | None = None) -> None:
+                 purge_step: int | None = None, run_config: dict[str, Any] | None = None) -> None:
         """``purge_step``: a run resumed at this step; TensorBoard drops the events of the killed
-        run at or after it (metrics.jsonl is truncated by the Checkpointer)."""
+        run at or after it (metrics.jsonl is truncated by the Checkpointer). ``run_config``: the
+        run's config as ``{dotted.key: value}``, logged to each tracker."""
         self.config = config
         self.run_dir = pathlib.Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.num_nonfinite = 0
         self._history: dict[str, list[tuple[int, float]]] = {}
-        self._writer = None
-        if config.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"),
-                                         purge_step=purge_step)
+        context = SinkContext(run_dir=self.run_dir, run_name=self.run_dir.name,
+                              run_config=run_config or {}, purge_step=purge_step)
+        self.sinks: dict[str, MetricSink] = {}
+        for name in config.backends:
+            self._guarded(name, "open", lambda name=name: self.sinks.__setitem__(
+                name, self._open_sink(name, context)))
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a") if config.jsonl else None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -55,10 +78,9 @@ class MetricsLogger(Configurable):
             if not math.isfinite(value):
                 self.num_nonfinite += 1
             self._history.setdefault(key, []).append((step, value))
-            if self._writer is not None:
-                self._writer.add_scalar(key, value, step)
-        if self._writer is not None:
-            self._writer.flush()
+        scalars = {key: float(value) for key, value in metrics.items()}
+        for name, sink in list(self.sinks.items()):
+            self._guarded(name, f"step {step}", lambda sink=sink: sink.log(step, scalars))
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": step, **metrics}, allow_nan=True) + "\n")
             self._jsonl.flush()
@@ -93,10 +115,32 @@ class MetricsLogger(Configurable):
         return path
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        for name, sink in list(self.sinks.items()):
+            self._guarded(name, "close", sink.close)
+        self.sinks.clear()
         if self._jsonl is not None:
             self._jsonl.close()
+
+
+    def _open_sink(self, name: str, context: SinkContext) -> MetricSink:
+        if name == "tensorboard":
+            return TensorBoardSink(context)
+        sink_config = getattr(self.config, name)
+        return sink_config.build(context=context)
+
+    def _guarded(self, name: str, when: str, call: Any) -> None:
+        """Run ``call``; a tracker that raises is dropped with one warning (the run goes on)."""
+        try:
+            call()
+        except Exception as e:
+            sink = self.sinks.pop(name, None)
+            logger.warning("metrics backend %s failed (%s): %s: %s; the run goes on without it",
+                           name, when, type(e).__name__, e)
+            if sink is not None and when != "close":
+                try:
+                    sink.close()
+                except Exception:
+                    logger.debug("closing the failed backend %s", name, exc_info=True)
 
 
 def _fmt(value: Any) -> str:

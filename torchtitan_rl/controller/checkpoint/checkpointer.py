@@ -48,7 +48,8 @@ logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _RUN_OUTPUTS = ("checkpoints", "tensorboard", "metrics.jsonl", "rollouts", "hf",
-                "reward_curve.png", "summary.json", "trained_samples.jsonl")
+                "reward_curve.png", "summary.json", "trained_samples.jsonl", "wandb", "mlflow.db",
+                "tracker_runs.json")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

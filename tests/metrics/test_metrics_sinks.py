@@ -1,0 +1,165 @@
+"""The metric trackers: each reads back, through its own library, the scalars, steps and run config
+MetricsLogger gave it; a failing tracker is dropped with one warning and the others go on."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.metrics.logger import MetricsLogger
+from torchtitan_rl.metrics.sinks import TRACKER_RUNS_FILE, MlflowSink
+
+RUN_CONFIG = {"seed": 3, "trainer.optimizer.lr": 0.0005, "task.type": "examples.x:Task",
+              "metrics.backends": ["tensorboard", "wandb", "trackio", "mlflow"]}
+STEPS = {0: {"loss/value": 0.5, "rollout_reward/mean": 0.25},
+         1: {"loss/value": 0.375, "rollout_reward/mean": 0.5},
+         2: {"loss/value": float("nan"), "rollout_reward/mean": 0.75}}
+
+
+def _log_steps(run_dir: pathlib.Path, backends: list[str], steps: dict, *,
+               purge_step: int | None = None, **sink_settings) -> MetricsLogger:
+    config = MetricsLogger.Config(backends=backends, **sink_settings)
+    metrics = config.build(run_dir=run_dir, purge_step=purge_step, run_config=RUN_CONFIG)
+    for step, values in steps.items():
+        metrics.log(step, values)
+    metrics.close()
+    return metrics
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (a != a and b != b)
+
+
+def test_tensorboard_reads_back_the_scalars_steps_and_run_config(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    metrics = _log_steps(tmp_path, ["tensorboard"], STEPS)
+    assert metrics.num_nonfinite == 1
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    for key in ("loss/value", "rollout_reward/mean"):
+        read = [(e.step, e.value) for e in events.Scalars(key)]
+        assert [s for s, _ in read] == [0, 1, 2]
+        assert all(_same(v, STEPS[s][key]) for s, v in read)
+    text = events.Tensors("run_config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "| trainer.optimizer.lr | 0.0005 |" in text
+
+
+def test_wandb_offline_run_reads_back_through_wandb(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _log_steps(tmp_path, ["wandb"], STEPS)
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    # W&B's own reader of its transaction log (the wandb-core binary), one JSON record a line.
+    printed = subprocess.run([str(pathlib.Path(sys.executable).with_name("wandb")), "leet",
+                              "inspect", "--json", str(run_file)],
+                             capture_output=True, text=True, check=True, timeout=120).stdout
+    records = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
+    history = {r["history"]["step"]["num"]: r["history"]["item"]
+               for r in records if r.get("type") == "history"}
+    assert sorted(history) == [0, 1, 2]
+    for step, values in STEPS.items():
+        for key, value in values.items():
+            assert _same(float(history[step][key]), value)
+    (run,) = [r["run"] for r in records if r.get("type") == "run"]
+    assert run["config"]["update"]["trainer.optimizer.lr"] == 0.0005
+    assert run["config"]["update"]["metrics.backends"] == RUN_CONFIG["metrics.backends"]
+    assert run["run_id"] == json.loads((tmp_path / TRACKER_RUNS_FILE).read_text())["wandb"]
+    assert run["display_name"] == tmp_path.name
+
+
+def test_trackio_reads_back_from_its_local_store(tmp_path):
+    import trackio.sqlite_storage as storage
+
+    _log_steps(tmp_path / "run", ["trackio"], STEPS)
+    name = json.loads((tmp_path / "run" / TRACKER_RUNS_FILE).read_text())["trackio"]
+    # the tests' own store (tests/conftest.py), not the user's
+    assert storage.SQLiteStorage.get_project_db_path("torchtitan_rl").is_relative_to(
+        os.environ["TRACKIO_DIR"])
+    logs = storage.SQLiteStorage.get_logs(project="torchtitan_rl", run=name)
+    assert [row["step"] for row in logs] == [0, 1, 2]
+    for row in logs:
+        for key, value in STEPS[row["step"]].items():
+            assert _same(float(row[key]), value)
+    assert storage.SQLiteStorage.get_run_config("torchtitan_rl", name)["seed"] == 3
+
+
+def test_mlflow_reads_back_from_its_local_store_and_a_resume_continues_the_run(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    _log_steps(tmp_path, ["mlflow"], {0: STEPS[0], 1: STEPS[1]})
+    _log_steps(tmp_path, ["mlflow"], {2: STEPS[2]}, purge_step=2)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = json.loads((tmp_path / TRACKER_RUNS_FILE).read_text())["mlflow"]
+    run = client.get_run(run_id)
+    assert run.info.run_name == tmp_path.name and run.info.status == "FINISHED"
+    assert run.data.params["trainer.optimizer.lr"] == "0.0005"
+    assert json.loads(run.data.params["metrics.backends"]) == RUN_CONFIG["metrics.backends"]
+    for key in ("loss/value", "rollout_reward/mean"):
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+        assert [s for s, _ in history] == [0, 1, 2]
+        assert all(_same(v, STEPS[s][key]) for s, v in history)
+
+
+def test_a_failing_tracker_is_dropped_with_one_warning_and_the_others_go_on(tmp_path, caplog):
+    class FlakySink:
+        def __init__(self) -> None:
+            self.logged: list[int] = []
+
+        def log(self, step: int, metrics: dict[str, float]) -> None:
+            if step == 1:
+                raise OSError(28, "No space left on device")
+            self.logged.append(step)
+
+        def close(self) -> None:
+            pass
+
+    blocked = tmp_path / "not_a_folder"
+    blocked.write_text("")
+    config = MetricsLogger.Config(backends=["tensorboard", "mlflow"],
+                                  mlflow=MlflowSink.Config(
+                                      tracking_uri=f"sqlite:///{blocked}/mlflow.db"))
+    with caplog.at_level(logging.WARNING, logger="torchtitan_rl.metrics.logger"):
+        metrics = config.build(run_dir=tmp_path / "run", run_config=RUN_CONFIG)
+        flaky = metrics.sinks["flaky"] = FlakySink()
+        for step, values in STEPS.items():
+            metrics.log(step, values)
+        metrics.close()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith("metrics backend mlflow failed (open)")
+    assert "metrics backend flaky failed (step 1): OSError" in warnings[1]
+    assert "the run goes on without it" in warnings[1]
+    assert flaky.logged == [0]
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("rollout_reward/mean")] == [0, 1, 2]
+
+
+def test_backends_are_checked_when_the_config_is_made():
+    with pytest.raises(ConfigError, match=r"metrics.backends: unknown backend 'wandbb'"):
+        MetricsLogger.Config(backends=["wandbb"])
+    with pytest.raises(ConfigError, match="names a backend twice"):
+        MetricsLogger.Config(backends=["wandb", "wandb"])
+    assert MetricsLogger.Config().backends == ["tensorboard"]
+
+
+def test_a_tracker_whose_library_is_missing_names_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "mlflow" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"'mlflow' needs the mlflow package.*\.\[trackers\]"):
+        MetricsLogger.Config(backends=["mlflow"])
+
