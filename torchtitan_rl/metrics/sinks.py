@@ -102,7 +102,7 @@ class WandbSink(Configurable):
         mode: Literal["offline", "online"] = "offline"
         """"online" needs a key: without one the run logs offline, with one warning."""
         group: str | None = None
-        """A W&B run group (e.g. the seeds of one recipe)."""
+        """A W&B run group, e.g. the seeds of one recipe (None: no group)."""
         tags: list[str] = dataclasses.field(default_factory=list)
         """W&B run tags."""
 
