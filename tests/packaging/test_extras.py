@@ -116,7 +116,7 @@ def test_shared_pins_suit_both_vllm_builds() -> None:
 def test_setup_env_installs_the_cpu_extra() -> None:
     script = (REPO_ROOT / "scripts" / "setup_env.sh").read_text()
     installs = re.findall(r"pip install -q -e \"\$root\[([^\]]*)\]\"", script)
-    assert installs == ["cpu,test,trackers"], installs
+    assert installs == ["cpu,test,trackers,trackio"], installs
 
 
 def test_installed_metadata_matches_pyproject() -> None:

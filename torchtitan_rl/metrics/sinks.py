@@ -31,7 +31,7 @@ from torchtitan_rl.config.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 TRACKER_RUNS_FILE = "tracker_runs.json"
-TRACKERS_EXTRA = "pip install -e '.[trackers]'"
+EXTRAS = {"wandb": "trackers", "mlflow": "trackers", "trackio": "trackio"}
 
 
 class MetricSink(Protocol):
@@ -230,7 +230,7 @@ def check_backends(backends: list[str]) -> None:
         module = _MODULES.get(name)
         if module is not None and importlib.util.find_spec(module) is None:
             raise ConfigError(f"metrics.backends: {name!r} needs the {module} package, "
-                              f"which is not installed ({TRACKERS_EXTRA})")
+                              f"which is not installed (pip install -e '.[{EXTRAS[name]}]')")
     if len(set(backends)) != len(backends):
         raise ConfigError(f"metrics.backends: {backends} names a backend twice")
 
