@@ -14,7 +14,7 @@ import pytest
 
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.metrics.logger import MetricsLogger
-from torchtitan_rl.metrics.sinks import TRACKER_RUNS_FILE, MlflowSink
+from torchtitan_rl.metrics.sinks import TRACKER_RUNS_FILE, MlflowSink, WandbSink
 
 RUN_CONFIG = {"seed": 3, "trainer.optimizer.lr": 0.0005, "task.type": "examples.x:Task",
               "metrics.backends": ["tensorboard", "wandb", "trackio", "mlflow"]}
@@ -163,3 +163,15 @@ def test_a_tracker_whose_library_is_missing_names_the_extra(monkeypatch):
     with pytest.raises(ConfigError, match=r"'mlflow' needs the mlflow package.*\.\[trackers\]"):
         MetricsLogger.Config(backends=["mlflow"])
 
+
+
+def test_wandb_online_without_a_key_logs_offline_with_one_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))  # no `wandb login` either
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        _log_steps(tmp_path / "run", ["wandb"], {0: STEPS[0]},
+                   wandb=WandbSink.Config(mode="online"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "no W&B key is set" in warnings[0], warnings
+    assert len(list((tmp_path / "run").glob("wandb/offline-run-*/run-*.wandb"))) == 1
