@@ -4,6 +4,7 @@ how it batches, that it learns, and that its cache is reused."""
 from __future__ import annotations
 
 import logging
+import os
 import random
 
 import pytest
@@ -64,14 +65,30 @@ def test_group_by_length_batches_see_random_examples_of_similar_length():
 
 
 @pytest.mark.slow  # 40 training steps in this process: the fast tier's largest cost by far
-def test_warm_start_learns_and_its_cache_is_reused(tiny_model_dir, tmp_path, caplog):
+def test_warm_start_learns_and_its_cache_is_reused(tiny_model_dir, tmp_path, caplog,
+                                                   monkeypatch):
+    import torch
+
     warm = WarmStart(WarmStart.Config(enabled=True, num_steps=40, batch_size=8,
                                       num_conversations=64, group_by_length=True,
-                                      cache_dir=str(tmp_path)))
+                                      num_threads=1, cache_dir=str(tmp_path)))
     out = warm.output_dir(tiny_model_dir, "alphabet", seed=0)
     caplog.set_level(logging.INFO, logger="torchtitan_rl.assets.warm_start")
-    assert warm.run(base_model_dir=tiny_model_dir, out=out, solved_conversation=_conversation,
-                    seed=0) == out
+    threads_in_steps: set[int] = set()
+    train_step = WarmStart._step
+
+    def counting_threads(*args):
+        threads_in_steps.add(torch.get_num_threads())
+        return train_step(*args)
+
+    monkeypatch.setattr(WarmStart, "_step", staticmethod(counting_threads))
+    torch.set_num_threads(2)
+    try:
+        assert warm.run(base_model_dir=tiny_model_dir, out=out,
+                        solved_conversation=_conversation, seed=0) == out
+        assert threads_in_steps == {1} and torch.get_num_threads() == 2  # set, then given back
+    finally:
+        torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
     losses = [float(r.getMessage().split("loss=")[1].split()[0]) for r in caplog.records
               if "loss=" in r.getMessage()]
     assert losses[-1] < 0.6 * losses[0], losses
@@ -88,7 +105,7 @@ def test_warm_start_learns_and_its_cache_is_reused(tiny_model_dir, tmp_path, cap
     assert other.output_dir(tiny_model_dir, "alphabet", seed=0) != out
     elsewhere = WarmStart(WarmStart.Config(enabled=True, num_steps=40, batch_size=8,
                                            num_conversations=64, group_by_length=True,
-                                           cache_dir=str(tmp_path / "x")))
+                                           cache_dir=str(tmp_path / "x")))  # threads unset
     assert elsewhere.output_dir(tiny_model_dir, "alphabet", seed=0).name == out.name
 
 

@@ -63,6 +63,10 @@ class WarmStart(Configurable):
         """Draw `LENGTH_GROUP_BATCHES` batches of conversations at once, sort them by length and
         cut them into batches (HF Trainer's group_by_length): far less padding where
         conversations differ in length (multi-turn episodes), the same conversations seen."""
+        num_threads: int | None = None
+        """torch threads while it trains (None: torch's default, one per core). Alone on a
+        2-core box the default is fastest; beside another CPU-bound job, 1 avoids the threads of
+        the two jobs spinning against each other (docs/main_job.md, "Threads")."""
         cache_dir: str = "assets/warmstart"
         """Where warm-started models are cached, one folder per digest of their inputs (base
         model files, task settings, seed, these settings); a later run with the same inputs
@@ -74,6 +78,8 @@ class WarmStart(Configurable):
                     raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
             if not self.lr > 0:
                 raise ValueError(f"lr must be > 0, got {self.lr}")
+            if self.num_threads is not None and self.num_threads < 1:
+                raise ValueError(f"num_threads must be >= 1 or None, got {self.num_threads}")
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -85,7 +91,9 @@ class WarmStart(Configurable):
             "base": directory_digest(base_model_dir),
             "task": task_fingerprint,
             "seed": seed,
-            "config": dataclasses.asdict(self.config) | {"cache_dir": None},
+            # where it is cached and how many threads train it do not change what it learns
+            "config": {k: v for k, v in dataclasses.asdict(self.config).items()
+                       if k != "num_threads"} | {"cache_dir": None},
         }, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -146,16 +154,13 @@ class WarmStart(Configurable):
         logger.info("warm start: %d steps x %d conversations from %s", cfg.num_steps,
                     cfg.batch_size, base_model_dir)
         batches = self._batches(examples, rng)
-        with progress_bar(total=cfg.num_steps, desc="warm start") as bar:
-            for step in range(cfg.num_steps):
-                if stop.is_set():
-                    raise WarmStartStopped(f"warm start stopped at step {step}/{cfg.num_steps}")
-                loss = self._step(model, optimizer, schedule, next(batches), pad_id)
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-                if step % 50 == 0 or step == cfg.num_steps - 1:
-                    logger.info("warm start step %d/%d loss=%.4f (%.0f s)", step + 1,
-                                cfg.num_steps, loss, time.perf_counter() - start)
+        threads = torch.get_num_threads()
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
+        try:
+            self._train_steps(model, optimizer, schedule, batches, pad_id, stop)
+        finally:
+            torch.set_num_threads(threads)  # the process's own setting again
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=".warm-", dir=out.parent))
         try:
@@ -170,6 +175,21 @@ class WarmStart(Configurable):
             if tmp.exists():
                 shutil.rmtree(tmp)
         logger.info("warm start: wrote %s in %.0f s", out, time.perf_counter() - start)
+
+    def _train_steps(self, model: Any, optimizer: Any, schedule: Any, batches: Iterator[Any],
+                     pad_id: int, stop: threading.Event) -> None:
+        cfg = self.config
+        start = time.perf_counter()
+        with progress_bar(total=cfg.num_steps, desc="warm start") as bar:
+            for step in range(cfg.num_steps):
+                if stop.is_set():
+                    raise WarmStartStopped(f"warm start stopped at step {step}/{cfg.num_steps}")
+                loss = self._step(model, optimizer, schedule, next(batches), pad_id)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+                if step % 50 == 0 or step == cfg.num_steps - 1:
+                    logger.info("warm start step %d/%d loss=%.4f (%.0f s)", step + 1,
+                                cfg.num_steps, loss, time.perf_counter() - start)
 
     def _batches(self, examples: Sequence[Example], rng: random.Random) -> Iterator[list[Example]]:
         """Endless batches of ``batch_size`` random examples (grouped by length when asked)."""
