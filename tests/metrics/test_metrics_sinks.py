@@ -7,11 +7,10 @@ import json
 import logging
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
+from tests.metrics.trackers_testlib import same, wandb_records
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.metrics.logger import MetricsLogger
 from torchtitan_rl.metrics.sinks import TRACKER_RUNS_FILE, MlflowSink, WandbSink
@@ -33,10 +32,6 @@ def _log_steps(run_dir: pathlib.Path, backends: list[str], steps: dict, *,
     return metrics
 
 
-def _same(a: float, b: float) -> bool:
-    return a == b or (a != a and b != b)
-
-
 def test_tensorboard_reads_back_the_scalars_steps_and_run_config(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -47,7 +42,7 @@ def test_tensorboard_reads_back_the_scalars_steps_and_run_config(tmp_path):
     for key in ("loss/value", "rollout_reward/mean"):
         read = [(e.step, e.value) for e in events.Scalars(key)]
         assert [s for s, _ in read] == [0, 1, 2]
-        assert all(_same(v, STEPS[s][key]) for s, v in read)
+        assert all(same(v, STEPS[s][key]) for s, v in read)
     text = events.Tensors("run_config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "| trainer.optimizer.lr | 0.0005 |" in text
 
@@ -56,18 +51,13 @@ def test_wandb_offline_run_reads_back_through_wandb(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
     _log_steps(tmp_path, ["wandb"], STEPS)
-    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    # W&B's own reader of its transaction log (the wandb-core binary), one JSON record a line.
-    printed = subprocess.run([str(pathlib.Path(sys.executable).with_name("wandb")), "leet",
-                              "inspect", "--json", str(run_file)],
-                             capture_output=True, text=True, check=True, timeout=120).stdout
-    records = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
+    records = wandb_records(tmp_path)
     history = {r["history"]["step"]["num"]: r["history"]["item"]
                for r in records if r.get("type") == "history"}
     assert sorted(history) == [0, 1, 2]
     for step, values in STEPS.items():
         for key, value in values.items():
-            assert _same(float(history[step][key]), value)
+            assert same(float(history[step][key]), value)
     (run,) = [r["run"] for r in records if r.get("type") == "run"]
     assert run["config"]["update"]["trainer.optimizer.lr"] == 0.0005
     assert run["config"]["update"]["metrics.backends"] == RUN_CONFIG["metrics.backends"]
@@ -87,7 +77,7 @@ def test_trackio_reads_back_from_its_local_store(tmp_path):
     assert [row["step"] for row in logs] == [0, 1, 2]
     for row in logs:
         for key, value in STEPS[row["step"]].items():
-            assert _same(float(row[key]), value)
+            assert same(float(row[key]), value)
     assert storage.SQLiteStorage.get_run_config("torchtitan_rl", name)["seed"] == 3
 
 
@@ -105,7 +95,7 @@ def test_mlflow_reads_back_from_its_local_store_and_a_resume_continues_the_run(t
     for key in ("loss/value", "rollout_reward/mean"):
         history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
         assert [s for s, _ in history] == [0, 1, 2]
-        assert all(_same(v, STEPS[s][key]) for s, v in history)
+        assert all(same(v, STEPS[s][key]) for s, v in history)
 
 
 def test_a_failing_tracker_is_dropped_with_one_warning_and_the_others_go_on(tmp_path, caplog):

@@ -5,20 +5,13 @@ library."""
 from __future__ import annotations
 
 import json
-import math
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from tests.controller.jobs import read_metrics
+from tests.metrics.trackers_testlib import same, wandb_records
 
 pytestmark = pytest.mark.slow  # the shared job runs in a subprocess
-
-
-def _same(a: float, b: float) -> bool:
-    return a == b or (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-6)
 
 
 def test_every_tracker_holds_the_runs_scalars_steps_and_config(letters_toml_run):
@@ -35,11 +28,7 @@ def test_every_tracker_holds_the_runs_scalars_steps_and_config(letters_toml_run)
     events.Reload()
     tensorboard = {key: {e.step: e.value for e in events.Scalars(key)} for key in keys}
 
-    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    printed = subprocess.run([str(pathlib.Path(sys.executable).with_name("wandb")), "leet",
-                              "inspect", "--json", str(run_file)],
-                             capture_output=True, text=True, check=True, timeout=120).stdout
-    records = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
+    records = wandb_records(run_dir)
     wandb = {key: {} for key in keys}
     for record in records:
         if record.get("type") == "history":
@@ -65,7 +54,8 @@ def test_every_tracker_holds_the_runs_scalars_steps_and_config(letters_toml_run)
                        ("mlflow", mlflow)):
         for key in keys:
             assert sorted(read[key]) == sorted(want[key]), (name, key, read[key])
-            assert all(_same(read[key][s], v) for s, v in want[key].items()), (name, key)
+            assert all(same(read[key][s], v, rel_tol=1e-6)
+                       for s, v in want[key].items()), (name, key)
     # the run's config, as each checkpoint saves it
     saved = json.loads(next((run_dir / "checkpoints").glob("step-*/job_config.json")).read_text())
     assert saved["metrics.backends"] == ["tensorboard", "wandb", "trackio", "mlflow"]

@@ -11,6 +11,7 @@ conversations come from the training split only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -154,13 +155,17 @@ class WarmStart(Configurable):
         logger.info("warm start: %d steps x %d conversations from %s", cfg.num_steps,
                     cfg.batch_size, base_model_dir)
         batches = self._batches(examples, rng)
-        threads = torch.get_num_threads()
-        if cfg.num_threads is not None:
-            torch.set_num_threads(cfg.num_threads)
-        try:
-            self._train_steps(model, optimizer, schedule, batches, pad_id, stop)
-        finally:
-            torch.set_num_threads(threads)  # the process's own setting again
+        with _torch_threads(cfg.num_threads), progress_bar(total=cfg.num_steps,
+                                                           desc="warm start") as bar:
+            for step in range(cfg.num_steps):
+                if stop.is_set():
+                    raise WarmStartStopped(f"warm start stopped at step {step}/{cfg.num_steps}")
+                loss = self._step(model, optimizer, schedule, next(batches), pad_id)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+                if step % 50 == 0 or step == cfg.num_steps - 1:
+                    logger.info("warm start step %d/%d loss=%.4f (%.0f s)", step + 1,
+                                cfg.num_steps, loss, time.perf_counter() - start)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=".warm-", dir=out.parent))
         try:
@@ -175,21 +180,6 @@ class WarmStart(Configurable):
             if tmp.exists():
                 shutil.rmtree(tmp)
         logger.info("warm start: wrote %s in %.0f s", out, time.perf_counter() - start)
-
-    def _train_steps(self, model: Any, optimizer: Any, schedule: Any, batches: Iterator[Any],
-                     pad_id: int, stop: threading.Event) -> None:
-        cfg = self.config
-        start = time.perf_counter()
-        with progress_bar(total=cfg.num_steps, desc="warm start") as bar:
-            for step in range(cfg.num_steps):
-                if stop.is_set():
-                    raise WarmStartStopped(f"warm start stopped at step {step}/{cfg.num_steps}")
-                loss = self._step(model, optimizer, schedule, next(batches), pad_id)
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-                if step % 50 == 0 or step == cfg.num_steps - 1:
-                    logger.info("warm start step %d/%d loss=%.4f (%.0f s)", step + 1,
-                                cfg.num_steps, loss, time.perf_counter() - start)
 
     def _batches(self, examples: Sequence[Example], rng: random.Random) -> Iterator[list[Example]]:
         """Endless batches of ``batch_size`` random examples (grouped by length when asked)."""
@@ -247,3 +237,18 @@ def _tokenize_with_assistant_mask(tokenizer: Any, conversation: Conversation,
             # The reply ends "<|im_end|>\n": learn the end-of-turn token, not the newline after it.
             mask += [0] * (len(prompt_ids) - ids_before) + [1] * (len(reply) - 1) + [0]
     return ids, mask
+
+
+@contextlib.contextmanager
+def _torch_threads(num_threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``num_threads`` (None: left as they are), then given back
+    (the warm start trains in the controller's process)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

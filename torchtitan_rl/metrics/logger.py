@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 from torchtitan_rl.config.configurable import Configurable
@@ -68,19 +69,19 @@ class MetricsLogger(Configurable):
                               run_config=run_config or {}, purge_step=purge_step)
         self.sinks: dict[str, MetricSink] = {}
         for name in config.backends:
-            self._guarded(name, "open", lambda name=name: self.sinks.__setitem__(
-                name, self._open_sink(name, context)))
+            sink = self._guarded(name, "open", self._open_sink, name, context)
+            if sink is not None:
+                self.sinks[name] = sink
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a") if config.jsonl else None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        for key, value in metrics.items():
-            value = float(value)
+        scalars = {key: float(value) for key, value in metrics.items()}
+        for key, value in scalars.items():
             if not math.isfinite(value):
                 self.num_nonfinite += 1
             self._history.setdefault(key, []).append((step, value))
-        scalars = {key: float(value) for key, value in metrics.items()}
         for name, sink in list(self.sinks.items()):
-            self._guarded(name, f"step {step}", lambda sink=sink: sink.log(step, scalars))
+            self._guarded(name, f"step {step}", sink.log, step, scalars)
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": step, **metrics}, allow_nan=True) + "\n")
             self._jsonl.flush()
@@ -121,17 +122,17 @@ class MetricsLogger(Configurable):
         if self._jsonl is not None:
             self._jsonl.close()
 
-
     def _open_sink(self, name: str, context: SinkContext) -> MetricSink:
         if name == "tensorboard":
             return TensorBoardSink(context)
         sink_config = getattr(self.config, name)
         return sink_config.build(context=context)
 
-    def _guarded(self, name: str, when: str, call: Any) -> None:
-        """Run ``call``; a tracker that raises is dropped with one warning (the run goes on)."""
+    def _guarded(self, name: str, when: str, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)``'s result; a tracker that raises is dropped with one warning and None
+        returned (the run goes on)."""
         try:
-            call()
+            return call(*args)
         except Exception as e:
             sink = self.sinks.pop(name, None)
             logger.warning("metrics backend %s failed (%s): %s: %s; the run goes on without it",
@@ -141,6 +142,7 @@ class MetricsLogger(Configurable):
                     sink.close()
                 except Exception:
                     logger.debug("closing the failed backend %s", name, exc_info=True)
+            return None
 
 
 def _fmt(value: Any) -> str:

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import pathlib
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any, Literal, Protocol
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 TRACKER_RUNS_FILE = "tracker_runs.json"
 EXTRAS = {"wandb": "trackers", "mlflow": "trackers", "trackio": "trackio"}
+"""The extra that installs each tracker's library (named as the backend)."""
 
 
 class MetricSink(Protocol):
@@ -204,8 +206,6 @@ class MlflowSink(Configurable):
         self._run_id = run_id
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -218,7 +218,6 @@ class MlflowSink(Configurable):
 
 
 BACKENDS = ("tensorboard", "wandb", "trackio", "mlflow")
-_MODULES = {"wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
 
 
 def check_backends(backends: list[str]) -> None:
@@ -227,9 +226,8 @@ def check_backends(backends: list[str]) -> None:
         if name not in BACKENDS:
             raise ConfigError(f"metrics.backends: unknown backend {name!r} "
                               f"(choose from {', '.join(BACKENDS)})")
-        module = _MODULES.get(name)
-        if module is not None and importlib.util.find_spec(module) is None:
-            raise ConfigError(f"metrics.backends: {name!r} needs the {module} package, "
+        if name in EXTRAS and importlib.util.find_spec(name) is None:
+            raise ConfigError(f"metrics.backends: {name!r} needs the {name} package, "
                               f"which is not installed (pip install -e '.[{EXTRAS[name]}]')")
     if len(set(backends)) != len(backends):
         raise ConfigError(f"metrics.backends: {backends} names a backend twice")
