@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import random
 
 import pytest
@@ -82,13 +83,24 @@ def test_warm_start_learns_and_its_cache_is_reused(tiny_model_dir, tmp_path, cap
         return train_step(*args)
 
     monkeypatch.setattr(WarmStart, "_step", staticmethod(counting_threads))
-    torch.set_num_threads(2)
+    # What the warm start sets, recorded as it is called: torch.get_num_threads() afterwards is
+    # process-wide (libgomp's one ICV) and another test's leftover thread may have set it since.
+    set_threads: list[int] = []
+    set_num_threads = torch.set_num_threads
+
+    def recording_set(n: int) -> None:
+        if threading.current_thread() is threading.main_thread():
+            set_threads.append(n)
+        set_num_threads(n)
+
+    monkeypatch.setattr(torch, "set_num_threads", recording_set)
+    set_num_threads(2)
     try:
         assert warm.run(base_model_dir=tiny_model_dir, out=out,
                         solved_conversation=_conversation, seed=0) == out
-        assert threads_in_steps == {1} and torch.get_num_threads() == 2  # set, then given back
+        assert threads_in_steps == {1} and set_threads == [1, 2]  # set, then given back
     finally:
-        torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+        set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
     losses = [float(r.getMessage().split("loss=")[1].split()[0]) for r in caplog.records
               if "loss=" in r.getMessage()]
     assert losses[-1] < 0.6 * losses[0], losses
