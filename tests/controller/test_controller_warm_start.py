@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import random
+import threading
 
 import pytest
 
