@@ -311,9 +311,9 @@ def test_a_second_generator_lost_from_the_shared_proc_mesh_is_replaced_too(tmp_p
     # Monarch reports an actor mesh's failure once; the generators share one proc mesh, each with
     # an actor mesh of its own, so a second loss on that proc mesh is reported on its own: else
     # generator_1's requests never return and the run hangs (proc.wait's timeout fails it).
-    # Paced at 25 tokens/s, a step lasts about 2 s (asleep): both replacements are up before
-    # the run's last step.
-    num_steps, num_prompts = 12, 24
+    # Paced at 25 tokens/s, a step lasts about a second (asleep); a replacement took 2-3 s on an
+    # idle box, so both are up by step 4, well before the run's last step.
+    num_steps, num_prompts = 8, 16
     returncode, stdout, log = run_killing_generator_0(
         tmp_path, "lost", num_steps, "--num-prompts", str(num_prompts), "--num-generators", "2",
         "--staleness", "1", "--engine", "stand_in", "--stand-in-tokens-per-s", "25", then=(1,))

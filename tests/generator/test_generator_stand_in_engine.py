@@ -1,10 +1,13 @@
 """The stand-in engine (generator/stand_in_engine.py) through the real engine loop and weight
 puller, no Monarch: seeded replies of ordinary tokens, paced by sleeping, per-token policy
-versions across a pull, every pushed byte loaded and read back, aborts, prefix-cache hits."""
+versions across a pull, every pushed byte loaded and read back, aborts, prefix-cache hits; none of
+it imports vLLM."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.abc
+import sys
 import time
 
 import pytest
@@ -18,6 +21,21 @@ from torchtitan_rl.weight_sync import weight_mismatches
 
 FAST = 1e6
 """tokens/s: pacing out of the way."""
+
+
+@pytest.fixture(autouse=True)
+def vllm_unimportable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM cannot be imported while a test here runs (even if this worker imported it before):
+    a stand-in generator's process must not pay vLLM's import (seconds of CPU)."""
+
+    class Refuse(importlib.abc.MetaPathFinder):
+        def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+            if name.partition(".")[0] == "vllm":
+                raise ImportError(f"the stand-in engine's path imported {name}")
+
+    for name in [n for n in sys.modules if n.partition(".")[0] == "vllm"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [Refuse(), *sys.meta_path])
 
 
 def _config(**overrides) -> Generator.Config:
@@ -58,18 +76,16 @@ def test_same_seed_same_reply_of_ordinary_tokens_ending_in_the_stop_token() -> N
 
 
 def test_a_step_sleeps_tokens_over_rate_and_burns_no_cpu() -> None:
-    from torchtitan_rl.generator.vllm_engine import sampling_params
-
     slept: list[float] = []
     engine = StandInEngine(tiny_dir(), tokens_per_s=1000.0, sleep=slept.append)
     for i in range(4):
         engine.add_request(f"r{i}", {"prompt_token_ids": [5, 6]},
-                           sampling_params(Sampling(max_tokens=30, seed=i)))
+                           Sampling(max_tokens=30, seed=i))
     engine.step()
     assert slept[0] == pytest.approx(4 / 1000.0, abs=1e-3)
 
     engine = StandInEngine(tiny_dir(), tokens_per_s=2000.0)
-    params = sampling_params(Sampling(max_tokens=60, seed=0))
+    params = Sampling(max_tokens=60, seed=0)
     for i in range(8):  # one seed, one reply (55 tokens: its drawn length), one token a step
         engine.add_request(f"r{i}", {"prompt_token_ids": [5, 6]}, params)
     wall, cpu = time.perf_counter(), time.process_time()

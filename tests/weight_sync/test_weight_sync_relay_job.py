@@ -31,9 +31,9 @@ def _run_job(out: pathlib.Path, name: str, num_steps: int, *extra: str,
 def test_a_relayed_push_sends_each_byte_once_lands_bit_exact_and_survives_a_killed_relay(tmp_path):
     """One job: two FSDP trainer ranks push through a chain of 4 generators; generator_1 is
     killed mid-push of v1 and replaced, and the run goes on long enough for later pushes to
-    reach all 4 again: paced at 20 tokens/s, a step lasts about a second (asleep), and a
-    replacement takes a few."""
-    num_steps = 30
+    reach all 4 again: paced at 20 tokens/s, a step lasts about a second (asleep); a replacement
+    took 11 s on an idle box and was serving by step 1, so 14 steps leave it about twice that."""
+    num_steps = 14
     proc = _run_job(tmp_path, "relay", num_steps, "--num-prompts", str(2 * num_steps),
                     "--num-trainer-ranks", "2", "--engine", "stand_in",
                     "--stand-in-tokens-per-s", "20", fault="kill_generator_mid_relay:2")

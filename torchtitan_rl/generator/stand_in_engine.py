@@ -117,8 +117,7 @@ class _Request:
     def make_request_output(self, new_token_ids: list[int], pooling_output: Any,
                             finish_reason: Any, stop_reason: Any) -> RequestOutput:
         """vLLM's ``RequestState.make_request_output`` as ``vllm_engine.partial_output`` calls
-        it for an abort: the tokens so far, the given finish reason (vLLM's enum prints as
-        ``abort``)."""
+        it for an abort: the tokens so far, the given finish reason."""
         return self.output(str(finish_reason))
 
     def output(self, finish_reason: str) -> RequestOutput:
@@ -158,6 +157,8 @@ class StandInEngine:
 
     accepts_sampling: ClassVar[bool] = True
     """``vllm_engine.add_request`` passes the request's ``Sampling`` (no vLLM import)."""
+    abort_finish_reason: ClassVar[str] = "abort"
+    """What ``vllm_engine.partial_output`` gives an aborted request (no vLLM import)."""
 
     def __init__(self, model_dir: str | pathlib.Path, *, tokens_per_s: float, seed: int = 0,
                  max_model_len: int = 2048, block_size: int = 32, dtype: str = "auto",

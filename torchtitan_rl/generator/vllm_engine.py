@@ -190,14 +190,22 @@ def partial_output(engine: LLMEngine, request_id: str) -> RequestOutput | None:
     request's state in the output processor (``request_states``, ``external_req_ids``: vLLM
     internals of 0.32) and asks it for the final output it would have made. Call it before
     ``abort_request``."""
-    from vllm.v1.engine import FinishReason as VllmFinishReason
-
     processor = engine.output_processor
     for internal_id in processor.external_req_ids.get(request_id, []):
         state = processor.request_states.get(internal_id)
         if state is not None:
-            return state.make_request_output([], None, VllmFinishReason.ABORT, None)
+            return state.make_request_output([], None, _abort_reason(engine), None)
     return None
+
+
+def _abort_reason(engine: LLMEngine) -> Any:
+    """vLLM's ``FinishReason.ABORT``, or the engine's own (the stand-in's: no vLLM import)."""
+    reason = getattr(engine, "abort_finish_reason", None)
+    if reason is not None:
+        return reason
+    from vllm.v1.engine import FinishReason as VllmFinishReason
+
+    return VllmFinishReason.ABORT
 
 
 def add_requests(engine: LLMEngine, requests: list[EngineRequest],
