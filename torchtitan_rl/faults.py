@@ -15,6 +15,10 @@ time: no cleanup, no checkpoint, the same as a node dying. Points:
 - ``kill_trainer_after_steps``: every proc of the run's first trainer, when its N-th optimizer
   step is done (a restarted trainer trains that step again and is spared).
 
+``TORCHTITAN_RL_FAULT=hold_controller_at_validations:N`` holds the controller at the start of its
+N-th validation (an await that never returns, so a signal's cancellation still reaches it): a test
+sends SIGTERM or Ctrl-C in that phase for certain.
+
 ``TORCHTITAN_RL_FAULT=nan_loss_at_steps:1,3`` makes the trainer's loss NaN at those steps (policy
 versions before the step), as a numerically broken batch would.
 
@@ -24,6 +28,7 @@ inherit the controller's environment, so one variable reaches every actor.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -39,16 +44,27 @@ FaultPoint = Literal["kill_controller_after_groups", "kill_controller_after_chec
 
 def maybe_kill(point: FaultPoint, count: int) -> None:
     """SIGKILL this process if ``TORCHTITAN_RL_FAULT`` is ``point:count``."""
+    if _due(point, count):
+        logger.warning("fault injection: SIGKILL at %s=%d (pid %d)", point, count, os.getpid())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def maybe_hold(point: Literal["hold_controller_at_validations"], count: int) -> None:
+    """Never return if ``TORCHTITAN_RL_FAULT`` is ``point:count`` (cancellation ends the wait)."""
+    if _due(point, count):
+        logger.warning("fault injection: holding at %s=%d (pid %d)", point, count, os.getpid())
+        await asyncio.Event().wait()
+
+
+def _due(point: str, count: int) -> bool:
     spec = os.environ.get(ENV_VAR, "")
     if not spec.startswith(point + ":"):
-        return
+        return False
     try:
         target = int(spec.split(":", 1)[1])
     except ValueError:
         raise ValueError(f"{ENV_VAR}={spec!r}: expected {point}:<int>") from None
-    if count == target:
-        logger.warning("fault injection: SIGKILL at %s=%d (pid %d)", point, count, os.getpid())
-        os.kill(os.getpid(), signal.SIGKILL)
+    return count == target
 
 
 def nan_loss_due(step: int) -> bool:

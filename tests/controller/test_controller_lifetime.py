@@ -7,6 +7,8 @@ lifetime_testlib.RunSessions)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import os
 import pathlib
 import signal
@@ -16,7 +18,7 @@ import sys
 import psutil
 import pytest
 
-from tests.controller.jobs import REPO_ROOT, env_without_faults
+from tests.controller.jobs import REPO_ROOT, LogWatch, env_without_faults
 from tests.controller.lifetime_testlib import (
     RunSessions,
     kill_all,
@@ -133,6 +135,45 @@ def test_sigterm_cancels_the_run_and_its_cleanup_runs():
     assert signal.getsignal(signal.SIGTERM) == before  # pytest's own handling is back
 
 
+def test_sigterm_while_the_model_is_made_stops_the_run_before_anything_is_spawned(
+        tmp_path, monkeypatch, caplog):
+    """Model making (a missing model of the project's own sizes) with the signal injected in the
+    middle of it: the model is finished, never half-written, and no part of the run starts."""
+    import shutil
+
+    from tests.controller.jobs import tiny_job
+    from torchtitan_rl.assets import make_model as make_model_module
+    from torchtitan_rl.assets.model_source import ModelSource
+    from torchtitan_rl.controller import job as job_module
+    from torchtitan_rl.controller.job import RLJob
+
+    tiny = REPO_ROOT / "assets" / "models" / "tiny"
+    made = []
+
+    def make_model_signalled_midway(size: str, out_dir, *, seed: int = 0) -> pathlib.Path:
+        os.kill(os.getpid(), signal.SIGTERM)
+        shutil.copytree(tiny, out_dir)  # the rest of the making, as make_model writes it
+        made.append(size)
+        return pathlib.Path(out_dir)
+
+    async def build_parts(*args, **kwargs):
+        raise AssertionError("a part of the run was spawned after SIGTERM")
+
+    monkeypatch.setattr(make_model_module, "make_model", make_model_signalled_midway)
+    monkeypatch.setattr(job_module, "build_parts", build_parts)
+    config = tiny_job(tmp_path, "stopped")
+    config = dataclasses.replace(config, model=ModelSource.Config(
+        size="tiny", assets_dir=str(tmp_path / "models")))
+    caplog.set_level(logging.WARNING, logger="torchtitan_rl.controller.hosts.reaper")
+    with pytest.raises(RunStopped) as e:
+        RLJob(config).run()
+    assert e.value.exit_code == 128 + signal.SIGTERM and made == ["tiny"]
+    assert (tmp_path / "models" / "tiny" / "model.safetensors").is_file()
+    assert not (tmp_path / "stopped").exists()  # no run folder either
+    assert [r.getMessage() for r in caplog.records] == [
+        "stopping: SIGTERM (closing the run's processes)"]
+
+
 def test_a_cleanup_that_hangs_is_cut_at_the_deadline():
     script = ("import asyncio, os, signal\n"
               "from torchtitan_rl.controller.hosts import reaper\n"
@@ -172,36 +213,47 @@ what a test is about: the same actors and procs, without vLLM's start-up in each
 # (test_controller_placement's host lost for good) and a success on simulated hosts
 # (test_controller_placement's generator replaced on its host).
 @pytest.mark.slow
-@pytest.mark.parametrize("placement, end", [("process", "sigterm"), ("local", "ctrl-c")])
-def test_every_process_of_a_run_is_gone_after_it_ends(tmp_path, placement, end):
+@pytest.mark.parametrize("placement, end, phase", [("process", "sigterm", "steps"),
+                                                   ("local", "ctrl-c", "validation")])
+def test_every_process_of_a_run_is_gone_after_it_ends(tmp_path, placement, end, phase):
+    """SIGTERM while it trains, on simulated hosts; Ctrl-C while it validates (held at the start
+    of its second validation, at step 3, by an injected fault), on one host."""
+    in_validation = phase == "validation"
     run = RunSessions()
     controller = run.start(
         [*TRAIN, "--output_dir", str(tmp_path), "--placement.kind", placement,
-         "--loop.num_steps", "100", "--trainer.max_restarts", "0", *STAND_IN],
-        env_without_faults(),
+         "--loop.num_steps", "100", "--trainer.max_restarts", "0", *STAND_IN,
+         *(("--validation.every_steps", "3") if in_validation else ())],
+        env_without_faults("hold_controller_at_validations:2" if in_validation else None),
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = LogWatch(controller.stderr)
     try:
-        # Any checkpoint: step-000001 alone is deleted three saves later (keep_last), which a
-        # fast run does within one poll.
-        checkpoints = tmp_path / "letters" / "checkpoints"
-        wait_for(lambda: any(checkpoints.glob("step-*")) or controller.poll() is not None,
-                 "a checkpoint")
+        if in_validation:
+            log.wait_for(r"fault injection: holding at hold_controller_at_validations=2 ")
+        else:
+            # Any checkpoint: step-000001 alone is deleted three saves later (keep_last), which
+            # a fast run does within one poll.
+            checkpoints = tmp_path / "letters" / "checkpoints"
+            wait_for(lambda: any(checkpoints.glob("step-*")) or controller.poll() is not None,
+                     "a checkpoint")
         run.look()
         if placement == "process":
             # 2 hosts (+ the reaper): tracked; a controller that ended already says why
-            assert len(run.sessions) >= 3, (run.sessions, controller.poll(),
-                                            controller.poll() is not None
-                                            and controller.communicate()[1][-3000:])
+            assert len(run.sessions) >= 3, (run.sessions, controller.poll(), log.text()[-3000:])
         controller.send_signal(signal.SIGTERM if end == "sigterm" else signal.SIGINT)
-        _, stderr = controller.communicate(timeout=reaper.STOP_DEADLINE_S + 30)
+        controller.wait(timeout=reaper.STOP_DEADLINE_S + 30)
+        log.wait_closed()
         run.assert_all_gone()
     finally:
         run.close()
+    stderr = log.text()
     name, signum = ("SIGTERM", signal.SIGTERM) if end == "sigterm" else ("SIGINT", signal.SIGINT)
     assert controller.returncode == 128 + signum, stderr[-3000:]
     lines = stderr.replace("\r", "\n").splitlines()
     assert [line.strip() for line in lines if name in line or "error" in line.lower()] == [
         f"stopping: {name} (closing the run's processes)"], stderr[-3000:]
+    if in_validation:  # stopped inside it: its result never came
+        assert "validation step=0 " in stderr and "validation step=3 " not in stderr, stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -197,7 +197,9 @@ class RLJob(Configurable):
         restarted), close, summarise. ``spawn_trainer``: the torchrun ranks in place of a trainer
         mesh (torchrun.py)."""
         wall_start = time.perf_counter()
-        plan = self.resolve()
+        # In a thread: SIGTERM or Ctrl-C while a missing model is made stops the run at once
+        # (the model is finished, never left half-written; nothing is spawned).
+        plan = await asyncio.to_thread(self.resolve)
         checkpointer, resume_dir, state, resumed = self._open_run_folder(plan)
         await _make_model(plan)
         _dump_tasks_on_sigusr1()

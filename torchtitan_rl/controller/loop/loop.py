@@ -48,7 +48,7 @@ from torchtitan_rl.controller.loop.staleness import StalenessGate
 from torchtitan_rl.controller.loop.validation import Validator, task_errors
 from torchtitan_rl.controller.rollout_workers.pool import RolloutWorkerLostError, RolloutWorkerPool
 from torchtitan_rl.controller.supervision import RunFailedError
-from torchtitan_rl.faults import maybe_kill
+from torchtitan_rl.faults import maybe_hold, maybe_kill
 from torchtitan_rl.generator import GeneratorLostError
 from torchtitan_rl.metrics.logger import MetricsLogger
 from torchtitan_rl.rollout import rollout_group_to_training_samples, rollout_metrics
@@ -211,6 +211,7 @@ class TrainingLoop(Configurable):
         self.idle_ratios = IdleRatios(parts.generators.router.busy_clock)
         self.num_admitted = self.num_finished = self.num_dropped = 0
         self.num_skipped_steps = self.num_skipped_in_row = self.num_checkpoints = 0
+        self.num_validations = 0
         self.num_groups_restarted = 0
         self._cpu_mark = 0.0
         """The controller's CPU time (time.process_time) where the next step's window starts."""
@@ -442,6 +443,8 @@ class TrainingLoop(Configurable):
 
     async def validate(self, step: int) -> None:
         parts = self.parts
+        self.num_validations += 1
+        await maybe_hold("hold_controller_at_validations", self.num_validations)
         result = await parts.validator.run(parts.generate_fn, parts.sampling)
         self._check_task_errors(f"validation at step {step}", result.task_errors,
                                 result.num_rollouts)
