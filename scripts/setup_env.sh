@@ -38,6 +38,8 @@ if "$venv/bin/python" -m pip install -q "uv==0.13.9" >&2 2>/dev/null; then
             *.constraint) for v in $value; do pip_settings+=(--constraint "$v"); done ;;
         esac
     done < <("$venv/bin/python" -m pip config list 2>/dev/null)
+    # No bytecode compiled here (uv's --compile-bytecode compiles every module installed: 2 of
+    # the 2.5 minutes): scripts/test.sh and train.sh let the first import write it.
     install=("$venv/bin/uv" pip install -q --python "$venv/bin/python"
              --index-strategy unsafe-best-match "${pip_settings[@]}")
     uninstall=("$venv/bin/uv" pip uninstall -q --python "$venv/bin/python")

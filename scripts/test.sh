@@ -12,8 +12,11 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/setup_env.sh || exit 1
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
-# This repo's bytecode, once: every job's processes (controller, trainer, generators) import its
-# modules, and under PYTHONDONTWRITEBYTECODE each would compile them from source.
+# Bytecode is written once and read by every later process (controller, trainer, generators):
+# with PYTHONDONTWRITEBYTECODE set (some boxes set it), each would compile torch's, vLLM's and
+# this repo's modules from source. The installer writes none; the first import does. This repo's
+# own modules are compiled up front, in parallel.
+unset PYTHONDONTWRITEBYTECODE
 .venv/bin/python -m compileall -q -j 0 torchtitan_rl tests bench > /dev/null
 args=(--durations=15 -n "${TEST_WORKERS:-2}" --dist loadgroup)
 for arg in "$@"; do
