@@ -85,8 +85,10 @@ def test_warm_start_learns_and_its_cache_is_reused(tiny_model_dir, tmp_path, cap
     monkeypatch.setattr(WarmStart, "_step", staticmethod(counting_threads))
     # What the warm start sets, recorded as it is called: torch.get_num_threads() afterwards is
     # process-wide (libgomp's one ICV) and another test's leftover thread may have set it since.
+    # torch._C's own setter: an in-process vLLM CPU engine built earlier in this worker replaces
+    # torch.set_num_threads with a no-op that warns.
     set_threads: list[int] = []
-    set_num_threads = torch.set_num_threads
+    set_num_threads = torch._C.set_num_threads
 
     def recording_set(n: int) -> None:
         if threading.current_thread() is threading.main_thread():
