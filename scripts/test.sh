@@ -18,7 +18,10 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=0
 # own modules are compiled up front, in parallel.
 unset PYTHONDONTWRITEBYTECODE
 .venv/bin/python -m compileall -q -j 0 torchtitan_rl tests bench > /dev/null
-args=(--durations=15 -n "${TEST_WORKERS:-2}" --dist loadgroup)
+# --no-loadscope-reorder: xdist would hand out the groups largest first (by their number of
+# tests), which put single-test slow modules at the run's end with the other worker idle; the
+# collection's order (slow tests first, tests/conftest.py) is kept instead.
+args=(--durations=15 -n "${TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder)
 for arg in "$@"; do
     case "$arg" in
         --fast) args+=(-m "not slow" --timeout 120) ;;
