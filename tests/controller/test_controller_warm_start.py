@@ -83,10 +83,9 @@ def test_warm_start_learns_and_its_cache_is_reused(tiny_model_dir, tmp_path, cap
         return train_step(*args)
 
     monkeypatch.setattr(WarmStart, "_step", staticmethod(counting_threads))
-    # What the warm start sets, recorded as it is called: torch.get_num_threads() afterwards is
-    # process-wide (libgomp's one ICV) and another test's leftover thread may have set it since.
-    # torch._C's own setter: an in-process vLLM CPU engine built earlier in this worker replaces
-    # torch.set_num_threads with a no-op that warns.
+    # What the warm start sets, recorded as it calls it, and applied with torch._C's own setter:
+    # an in-process vLLM CPU engine built earlier in this worker replaces torch.set_num_threads
+    # with a no-op that warns, so reading the setting back would not show what was asked.
     set_threads: list[int] = []
     set_num_threads = torch._C.set_num_threads
 
