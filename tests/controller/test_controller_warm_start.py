@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import threading
 
 import pytest
 
@@ -90,8 +89,7 @@ def test_warm_start_learns_and_its_cache_is_reused(tiny_model_dir, tmp_path, cap
     set_num_threads = torch._C.set_num_threads
 
     def recording_set(n: int) -> None:
-        if threading.current_thread() is threading.main_thread():
-            set_threads.append(n)
+        set_threads.append(n)
         set_num_threads(n)
 
     monkeypatch.setattr(torch, "set_num_threads", recording_set)
