@@ -36,7 +36,7 @@ LAYERS: list[list[str]] = [
     ["weight_sync", "metrics", "assets"],
     ["task"],
     ["rollout.message_env", "models", "tls"],
-    ["config", "types", "faults", "batched_calls"],
+    ["config", "types", "faults", "batched_calls", "threads"],
     ["console"],
 ]
 """Top to bottom: a unit may import its own modules and any unit of a lower layer, never one of

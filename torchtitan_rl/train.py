@@ -28,8 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.controller.hosts.reaper import RunStopped, set_monarch_defaults
+from torchtitan_rl.threads import set_openmp_spin
 
 set_monarch_defaults()  # a dead controller's procs end in seconds, not minutes (controller/hosts/reaper.py)
+set_openmp_spin()  # before torch loads: idle threads spin briefly (threads.py)
 
 if TYPE_CHECKING:
     from torchtitan_rl.controller.job import RLJob

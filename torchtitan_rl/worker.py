@@ -30,8 +30,10 @@ import sys
 # A gone client's procs are stopped within a minute, not > 5 min; the worker keeps serving
 # (controller/hosts/reaper.py; an attaching client pushes its own value too).
 from torchtitan_rl.controller.hosts.reaper import set_monarch_defaults  # noqa: E402 (stdlib only)
+from torchtitan_rl.threads import set_openmp_spin  # noqa: E402 (stdlib only)
 
 set_monarch_defaults()
+set_openmp_spin()  # the procs it hosts inherit it (threads.py)
 
 logger = logging.getLogger("torchtitan_rl.worker")
 

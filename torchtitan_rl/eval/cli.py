@@ -30,6 +30,9 @@ from typing import Any
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.eval.options import refusal, uses
 from torchtitan_rl.eval.report import DEFAULT_PASS_THRESHOLD
+from torchtitan_rl.threads import set_openmp_spin
+
+set_openmp_spin()  # before torch loads: idle threads spin briefly (threads.py)
 
 USAGE = ("usage: python -m torchtitan_rl.eval --model HF_DIR [--config TOML] [--output_dir DIR] "
          "[--name NAME] [--pass-threshold X] [--json PATH] [--print-config] [--print-resolved] "
