@@ -137,3 +137,58 @@ def test_ensure_model_remakes_a_model_made_by_an_older_maker(tmp_path):
     (made / MAKER_FILE).write_text(json.dumps(
         {"maker_version": MAKER_VERSION - 1, "size": "tiny", "seed": 0}))
     assert directory_digest(ensure_model("tiny", tmp_path)) == digest
+
+
+CHATML = ("{% for message in messages %}"
+          "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+          "{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                    "b": {"type": "integer"}}}}}
+
+
+def test_chat_template_without_tools_is_plain_chatml(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "hello"}, {"role": "user", "content": "sort"}]
+    for generation_prompt in (True, False):
+        assert tok.apply_chat_template(conversation, tokenize=False,
+                                       add_generation_prompt=generation_prompt) == (
+            tok.apply_chat_template(conversation, tokenize=False, chat_template=CHATML,
+                                    add_generation_prompt=generation_prompt))
+
+
+def test_chat_template_renders_tools_calls_and_results_as_qwen3s(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "add", "arguments": '{"a": 2, "b": 40}'}}
+    conversation = [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "2 + 40?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},  # a reply that only calls
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        {"role": "tool", "tool_call_id": "c2", "content": "ok"},
+        {"role": "assistant", "content": "Adding.", "tool_calls": [
+            {"function": {"name": "add", "arguments": {"a": 1, "b": 1}}}]},
+    ]
+    text = tok.apply_chat_template(conversation, tools=[ADD_TOOL], tokenize=False)
+    assert text == (
+        "<|im_start|>system\nUse tools.\n\n# Tools\n\nYou may call one or more functions to assist "
+        "with the user query.\n\nYou are provided with function signatures within <tools></tools> "
+        "XML tags:\n<tools>\n" + json.dumps(ADD_TOOL) + "\n</tools>\n\nFor each function call, "
+        "return a json object with function name and arguments within <tool_call></tool_call> XML "
+        'tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+        "</tool_call><|im_end|>\n"
+        "<|im_start|>user\n2 + 40?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 40}}\n'
+        "</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\nok\n"
+        "</tool_response><|im_end|>\n"
+        '<|im_start|>assistant\nAdding.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, '
+        '"b": 1}}\n</tool_call><|im_end|>\n')

@@ -6,6 +6,7 @@ has its status or HTTP error."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -367,7 +368,8 @@ def test_tool_calls_come_back_parsed_and_tool_results_are_environment_tokens() -
         return call_text if rid.endswith("turn=0") else "It is 42."
 
     group, gen = _play("uses_a_tool", reply, sampling=Sampling(max_tokens=64, seed=1),
-                       task_overrides={"tool_parser": "hermes"})
+                       task_overrides={"tool_parser": "hermes"},
+                       max_rollout_tokens=1024)  # the tools' listing: ~400 tiny-tokenizer tokens
     assert [r.status for r in group.rollouts] == [RolloutStatus.COMPLETED] * 4
     assert group.rewards == [1.0] * 4
     assert len(agent_testlib.TOOL_REPLIES) == 4
@@ -411,7 +413,8 @@ def test_an_agent_written_with_the_openai_agents_sdk_runs_unchanged() -> None:
         return call_text if rid.endswith("turn=0") else "The sum is 42."
 
     group, gen = _play("openai_agents_sdk", reply, sampling=Sampling(max_tokens=64, seed=1),
-                       task_overrides={"tool_parser": "hermes"})
+                       task_overrides={"tool_parser": "hermes"},
+                       max_rollout_tokens=1024)  # the tools' listing: ~400 tiny-tokenizer tokens
     assert [r.status for r in group.rollouts] == [RolloutStatus.COMPLETED] * 4, [
         r.error for r in group.rollouts]
     assert agent_testlib.SDK_RESULTS == [{"final_output": "The sum is 42.", "added": [42]}] * 4
@@ -436,22 +439,17 @@ def test_unknown_tool_parser_is_a_config_error() -> None:
 
 
 def test_tools_reach_the_chat_template_and_bad_tools_are_a_400_before_generating() -> None:
-    import copy
-
     from tests.rollout.agent_testlib import ADD_TOOL
     from torchtitan_rl.rollout.agent_capture import EpisodeCapture, EpisodeLimits
     from torchtitan_rl.rollout.agent_requests import RequestError
     from torchtitan_rl.rollout.agent_tools import ToolCalls, load_tool_parser
 
-    # the tiny model's template ignores tools; one that prints them shows what it was given
-    tokenizer = copy.deepcopy(tiny_tokenizer())
-    tokenizer.chat_template = ("{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
-                               + tokenizer.chat_template)
+    tokenizer = tiny_tokenizer()  # the project's template lists offered tools, as Qwen3's does
     gen = ScriptedGenerate(lambda rid, _: "no tools needed")
     capture = EpisodeCapture(
         generate_fn=gen, tokenizer=tokenizer, sampling=Sampling(max_tokens=32), base_seed=0,
         group_id=1, rollout_index=0, attempt=0,
-        limits=EpisodeLimits(max_turns=4, max_rollout_tokens=256),
+        limits=EpisodeLimits(max_turns=4, max_rollout_tokens=1024),  # the tools' listing
         count_special=lambda ids, finish: 0,
         tool_calls=ToolCalls(load_tool_parser("hermes"), tokenizer))
     messages = [{"role": "user", "content": "hi"}]
@@ -461,4 +459,29 @@ def test_tools_reach_the_chat_template_and_bad_tools_are_a_400_before_generating
     _, message = run(capture.chat(messages, [ADD_TOOL]))
     assert message == {"role": "assistant", "content": "no tools needed"}  # no call to parse
     prompt = tokenizer.decode(gen.calls[0].prompt_token_ids)
-    assert prompt.startswith("<tools>") and '"name": "add"' in prompt
+    assert prompt.startswith("<|im_start|>system\n# Tools\n")
+    assert "<tools>\n" + json.dumps(ADD_TOOL) + "\n</tools>" in prompt
+
+
+def test_hermes_reads_back_the_tool_calls_the_chat_template_renders() -> None:
+    """What the project's template teaches a model to write (Qwen3's <tool_call> blocks) is what
+    vLLM's hermes parser reads back, text before the calls included."""
+    from tests.rollout.agent_testlib import ADD_TOOL
+    from torchtitan_rl.rollout.agent_tools import ToolCalls, load_tool_parser
+
+    tokenizer = tiny_tokenizer()
+    calls = [{"id": "c1", "type": "function",
+              "function": {"name": "add", "arguments": '{"a": 2, "b": 40}'}},
+             {"id": "c2", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "add"},
+         {"role": "assistant", "content": "Adding.", "tool_calls": calls}],
+        tools=[ADD_TOOL], tokenize=False)
+    reply = text.rsplit("<|im_start|>assistant\n", 1)[1].removesuffix("<|im_end|>\n")
+    message = ToolCalls(load_tool_parser("hermes"), tokenizer).parse(
+        reply, ToolCalls.validate([ADD_TOOL]))
+    # hermes keeps the text up to the first <tool_call>, the newline before it included (the
+    # capture trains the generated text itself, never a re-render of the parsed message)
+    assert message["content"] == "Adding.\n"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in message["tool_calls"]] == [("add", {"a": 2, "b": 40}), ("add", {"a": 1})]

@@ -26,10 +26,11 @@ logger = logging.getLogger(__name__)
 
 TOKENIZER_VOCAB_SIZE = 1024
 
-MAKER_VERSION = 2
+MAKER_VERSION = 3
 """Bumped whenever the same size and seed would give different files, so `ensure_model` remakes a
 cached model made by an older maker. 2: the pad token's embedding row is initialised like every
-other row (it was all zeros: see `make_model`)."""
+other row (it was all zeros: see `make_model`). 3: the chat template renders tools, tool calls and
+tool results (`tokenizer.CHAT_TEMPLATE`); weights and tokens are unchanged."""
 MAKER_FILE = "made_by.json"
 """Written next to config.json: the maker version, size and seed of the directory."""
 

@@ -24,11 +24,49 @@ END_OF_TEXT = "<|endoftext|>"
 SPECIAL_TOKENS = [END_OF_TEXT, IM_START, IM_END]
 
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    # Offered tools: a system turn that lists them (the user's system message first), as Qwen3's.
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first and tools %}"
+    # An assistant reply: its text (none for a reply that only calls tools), then each call.
+    "{%- elif message.role == 'assistant' %}"
+    "{%- set content = message.content if message.content is string else '' %}"
+    "{{- '<|im_start|>assistant\\n' + content }}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if not loop.first or content %}{{- '\\n' }}{%- endif %}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    # Tool results: consecutive ones share one user turn, each in <tool_response> tags.
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+"""ChatML, and tools the way Qwen3's template renders them: offered tools listed in a system turn,
+an assistant's ``tool_calls`` as ``<tool_call>`` JSON blocks (what vLLM's ``hermes`` parser reads
+back), tool results in ``<tool_response>`` blocks of a user turn. Without tools it renders exactly
+``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message."""
 
 _TEMPLATE_TEXT = """system
 user
