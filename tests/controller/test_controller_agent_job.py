@@ -33,7 +33,7 @@ from torchtitan_rl.types import Sampling
 pytestmark = pytest.mark.slow  # a whole job
 
 NUM_STEPS = 2
-SEQ_LEN = 128
+SEQ_LEN = 512  # rollout 1 offers a tool: the listing of it is ~370 tiny-tokenizer tokens
 
 
 def _agent_job(tmp_path: pathlib.Path, name: str, *, num_workers: int = 0,
