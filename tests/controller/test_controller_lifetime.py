@@ -14,6 +14,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 
 import psutil
 import pytest
@@ -149,9 +150,18 @@ def test_sigterm_while_the_model_is_made_stops_the_run_before_anything_is_spawne
 
     tiny = REPO_ROOT / "assets" / "models" / "tiny"
     made = []
+    handled = threading.Event()
+
+    class SetOnStop(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("stopping: SIGTERM"):
+                handled.set()
 
     def make_model_signalled_midway(size: str, out_dir, *, seed: int = 0) -> pathlib.Path:
         os.kill(os.getpid(), signal.SIGTERM)
+        # A real model takes seconds to make: the run has seen the signal before it is done.
+        # Here the rest is a copy of milliseconds, so it waits for the run to see it first.
+        assert handled.wait(timeout=60), "the run never handled the SIGTERM"
         shutil.copytree(tiny, out_dir)  # the rest of the making, as make_model writes it
         made.append(size)
         return pathlib.Path(out_dir)
@@ -165,8 +175,14 @@ def test_sigterm_while_the_model_is_made_stops_the_run_before_anything_is_spawne
     config = dataclasses.replace(config, model=ModelSource.Config(
         size="tiny", assets_dir=str(tmp_path / "models")))
     caplog.set_level(logging.WARNING, logger="torchtitan_rl.controller.hosts.reaper")
-    with pytest.raises(RunStopped) as e:
-        RLJob(config).run()
+    reaper_logger = logging.getLogger("torchtitan_rl.controller.hosts.reaper")
+    set_on_stop = SetOnStop()
+    reaper_logger.addHandler(set_on_stop)
+    try:
+        with pytest.raises(RunStopped) as e:
+            RLJob(config).run()
+    finally:
+        reaper_logger.removeHandler(set_on_stop)
     assert e.value.exit_code == 128 + signal.SIGTERM and made == ["tiny"]
     assert (tmp_path / "models" / "tiny" / "model.safetensors").is_file()
     assert not (tmp_path / "stopped").exists()  # no run folder either
