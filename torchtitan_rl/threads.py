@@ -5,9 +5,9 @@ torch's CPU kernels run on libgomp's thread team. A thread that finishes its sha
 before it sleeps, so that the next kernel finds it awake; libgomp's default spin (about 300,000
 turns, a few milliseconds) assumes the process has its cores to itself. Beside another CPU-bound
 process the spinning threads of one take the cores from the working threads of the other and both
-crawl. ``GOMP_SPINCOUNT=10000`` spins about as long as the gap between two kernels of one training
-step, so a process alone keeps its threads awake, and a waiting thread beside another job soon
-sleeps. Set before torch is imported, it holds for the controller (the warm start trains there) and,
+crawl. With ``GOMP_SPINCOUNT=10000`` a thread still spins across the short gaps between the
+kernels of one step (a process alone runs as fast as with the default) but sleeps soon when it
+waits longer, as it does beside another job. Set before torch is imported, it holds for the controller (the warm start trains there) and,
 through the environment they inherit, for the trainer and generator procs. How many threads each
 process uses is each part's own setting (``warm_start.num_threads``, ``trainer.num_threads``,
 ``generator.torch_num_threads``; docs/main_job.md, "Threads"); ``bench/shared_box.py`` measures the
