@@ -42,6 +42,7 @@ from torchtitan_rl.trainer.critic import (
     kl_penalised_rewards,
 )
 from torchtitan_rl.trainer.flops import UtilizationMeter
+from torchtitan_rl.trainer.lora import LoRA
 from torchtitan_rl.trainer.loss import (
     MAX_KEYS,
     SUM_KEYS,
@@ -111,6 +112,8 @@ class PolicyTrainerCore(Configurable):
         loss: PolicyLoss.Config = dataclasses.field(default_factory=PolicyLoss.Config)
         critic: ValueCritic.Config = dataclasses.field(default_factory=ValueCritic.Config)
         """PPO's value model and GAE advantages (trainer/critic.py); off by default."""
+        lora: LoRA.Config = dataclasses.field(default_factory=LoRA.Config)
+        """Low-rank adapters on a frozen base (trainer/lora.py); off by default."""
         debug_batch_log: str = ""
         """Debugging and tests ("" = off): a JSONL file, one line per microbatch each rank trains
         on: input_ids, positions, document_ids, loss_mask, advantages (trainer/batch_log.py)."""
@@ -126,6 +129,9 @@ class PolicyTrainerCore(Configurable):
                                                             and self.loss.kl_coef > 0):
                 raise ValueError("loss.kl_placement = 'reward' needs loss.kl_coef > 0 and "
                                  "critic.enabled (the penalty enters the rewards GAE reads)")
+            if self.lora.enabled and self.critic.enabled:
+                raise ValueError("trainer.lora.enabled with trainer.critic.enabled: the value "
+                                 "model would be a frozen copy; use one of them")
             if self.critic.enabled and self.tensor_parallel_degree != 1:
                 raise ValueError("critic.enabled needs tensor_parallel_degree 1 (the value head "
                                  "is not sharded)")
@@ -168,6 +174,9 @@ class PolicyTrainerCore(Configurable):
             if config.flavor
             else torchtitan_qwen3_config(model_dir, attn_backend=backend)
         )
+        self.lora = config.lora.build() if config.lora.enabled else None
+        if self.lora is not None:
+            self.model_config = self.lora.convert(self.model_config)
         self.parallel_dims = None
         if self.world_size > 1:
             self.parallel_dims = build_parallel_dims(
@@ -196,7 +205,7 @@ class PolicyTrainerCore(Configurable):
         self.loss_fn = config.loss.build()
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self._lr_at(0), betas=(opt.beta1, opt.beta2),
+            LoRA.trainable_parameters(self.model), lr=self._lr_at(0), betas=(opt.beta1, opt.beta2),
             eps=opt.eps, weight_decay=opt.weight_decay, foreach=True,
         )
         self.policy_version = 0
@@ -363,12 +372,16 @@ class PolicyTrainerCore(Configurable):
     # ---- weights and checkpoints ------------------------------------------------------------
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """torchtitan-named state dict as this rank holds it (DTensor shards when parallel)."""
+        """torchtitan-named state dict as this rank holds it (DTensor shards when parallel).
+        With LoRA: the merged weights, gathered (a collective; rank 0's are the ones sent)."""
+        if self.lora is not None:
+            return self.full_model_state_dict()
         return self.model.state_dict()
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         """torchtitan-named plain full tensors (collective over the trainer ranks; a tied weight
-        is gathered once and appears under both names)."""
+        is gathered once and appears under both names). With LoRA: each adapted weight merged
+        with its adapter, no adapter entries: what the generators and an HF export load."""
         from torch.distributed.tensor import DTensor
 
         full: dict[tuple[int, int], torch.Tensor] = {}
@@ -381,7 +394,7 @@ class PolicyTrainerCore(Configurable):
                 value = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                 full[key] = value.detach()
             result[name] = full[key]
-        return result
+        return self.lora.merged_state_dict(result) if self.lora is not None else result
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named plain full tensors (collective); no lm_head when embeddings are tied."""
@@ -441,6 +454,8 @@ class PolicyTrainerCore(Configurable):
             model = build_qwen3_from_hf(
                 self.model_dir, device=self.device, model_config=self.model_config
             )
+        if self.lora is not None:
+            self.lora.init_adapters(model, self.config.seed)
         if value_head:  # the critic: V = 0 until it learns (a tied embedding keeps its weight)
             model.lm_head = torch.nn.Linear(self.model_config.dim, 1, bias=False,
                                             device=self.device)
@@ -537,7 +552,8 @@ class PolicyTrainerCore(Configurable):
     def _lr_at(self, step: int) -> float:
         warmup = self.config.lr_warmup_steps
         scale = min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-        return self.config.optimizer.lr * scale
+        lr = self.config.optimizer.lr
+        return (self.lora.learning_rate(lr) if self.lora is not None else lr) * scale
 
     def _mesh(self, name: str) -> Any:
         if self.parallel_dims is None:

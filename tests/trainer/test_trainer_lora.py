@@ -1,0 +1,117 @@
+"""LoRA on the trainer (trainer/lora.py): only the adapters train, the merged weights compute what
+the adapted model computes, and the config names its mistakes (torchtitan on the tiny model)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
+from torchtitan_rl.trainer.core import PolicyTrainerCore
+from torchtitan_rl.trainer.lora import LoRA
+from torchtitan_rl.types import TrainingSample
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from torchtitan_rl.assets.make_model import ensure_model
+
+    return ensure_model("tiny", REPO_ROOT / "assets" / "models").resolve()
+
+
+def _batch(seed: int) -> TrainingBatch:
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(4):
+        n = 12
+        samples.append(TrainingSample(
+            sample_id=f"group=0/rollout={i}/branch=0", group_id=0,
+            token_ids=torch.randint(3, 1000, (n,), generator=gen).tolist(),
+            loss_mask=[0] * 4 + [1] * 8,
+            generator_logprobs=[0.0] * 4 + (-3 * torch.rand(8, generator=gen)).tolist(),
+            advantages=[0.0] * 4 + [1.0 if i % 2 else -1.0] * 8, policy_versions=[-1] * 4 + [0] * 8,
+        ))
+    return Batcher.Config(seq_len=32).build().pack(samples)
+
+
+def _core(model_dir, **lora) -> PolicyTrainerCore:
+    config = PolicyTrainerCore.Config(num_threads=1, lora=LoRA.Config(enabled=True, **lora))
+    config.optimizer.lr = 1e-3
+    return config.build(model_dir=model_dir)
+
+
+def test_only_the_adapters_train_and_the_merged_weights_compute_the_same(model_dir) -> None:
+    core = _core(model_dir, rank=8, alpha=16.0)
+    before = {name: t.detach().clone() for name, t in core.model.state_dict().items()}
+    adapters = LoRA.adapter_state_dict(before)
+    # every attention and MLP projection of every layer, none on the embeddings or the head
+    layers = 1 + max(int(name.split(".")[1]) for name in adapters)
+    assert len(adapters) == layers * 7 * 2
+    assert not any(name.startswith(("tok_embeddings", "lm_head")) for name in adapters)
+    trainable = {id(p) for p in LoRA.trainable_parameters(core.model)}
+    named = dict(core.model.named_parameters())
+    assert {name for name, p in named.items() if id(p) in trainable} == set(adapters)
+    # B starts at zero: the merged weights are the base's exactly
+    assert all(torch.equal(t, before[name]) for name, t in core.full_model_state_dict().items())
+
+    batch = _batch(0)
+    for _ in range(2):
+        core.forward_backward(batch)
+        metrics = core.optim_step()
+    assert metrics["trainer/lr"] == pytest.approx(1e-2)  # 10 x optimizer.lr by default
+    after = core.model.state_dict()
+    for name, tensor in after.items():
+        changed = not torch.equal(tensor, before[name])
+        assert changed == name.endswith((".lora_a.weight", ".lora_b.weight")), name
+    assert sum(len(state) for state in core.optimizer.state.values()) == 3 * len(adapters)
+
+    # A model without LoRA loaded with the merged weights gives the adapted model's logits,
+    # which the two steps moved away from the base's.
+    merged = core.full_model_state_dict()
+    assert set(merged) == set(after) - set(adapters)
+    plain = PolicyTrainerCore.Config(num_threads=1).build(model_dir=model_dir)
+    data = batch.microbatch(0, 0)
+    with torch.no_grad():
+        base_logits = plain._logits(data["input_ids"], data["positions"])
+        plain.model.load_state_dict(merged)
+        reference = plain._logits(data["input_ids"], data["positions"])
+        adapted = core._logits(data["input_ids"], data["positions"])
+    assert (adapted - base_logits).abs().max() > 1e-3
+    torch.testing.assert_close(adapted, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_a_checkpoint_resumes_the_adapters_bit_for_bit(model_dir, tmp_path) -> None:
+    straight = _core(model_dir)
+    batch = _batch(1)
+    straight.forward_backward(batch)
+    straight.optim_step()
+    straight.save_checkpoint(tmp_path / "step1", extra={})
+    straight.forward_backward(batch)
+    straight.optim_step()
+    resumed = _core(model_dir)
+    resumed.load_checkpoint(tmp_path / "step1")
+    resumed.forward_backward(batch)
+    resumed.optim_step()
+    expected = straight.model.state_dict()
+    for name, tensor in resumed.model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+def test_the_lora_config_names_its_mistakes() -> None:
+    with pytest.raises(ValueError, match="k_proj and v_proj go together"):
+        LoRA.Config(target_modules=["q_proj", "k_proj"])
+    with pytest.raises(ValueError, match=r"unknown \['wq'\]"):
+        LoRA.Config(target_modules=["wq"])
+    with pytest.raises(ValueError, match="trainer.lora.rank must be >= 1"):
+        LoRA.Config(rank=0)
+    with pytest.raises(ValueError, match="trainer.lora.dropout"):
+        LoRA.Config(dropout=1.0)
+    with pytest.raises(ValueError, match="lora.enabled with trainer.critic.enabled"):
+        from torchtitan_rl.trainer.critic import ValueCritic
+
+        PolicyTrainerCore.Config(lora=LoRA.Config(enabled=True),
+                                 critic=ValueCritic.Config(enabled=True))
