@@ -100,6 +100,30 @@ def test_a_checkpoint_resumes_the_adapters_bit_for_bit(model_dir, tmp_path) -> N
     for name, tensor in resumed.model.state_dict().items():
         assert torch.equal(tensor, expected[name]), name
 
+    # The checkpoint holds the adapters and their AdamW state only, and the base's digest.
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(tmp_path / "step1")).read_metadata().state_dict_metadata
+    saved_model = {k.removeprefix("model.") for k in saved if k.startswith("model.")}
+    assert saved_model == set(LoRA.adapter_state_dict(expected))
+    assert "trainer.base_digest" in saved
+    # another base, or a run without LoRA, refuses it in one line
+    other_base = tmp_path / "other_base"
+    import shutil
+
+    shutil.copytree(model_dir, other_base)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(other_base / "model.safetensors")
+    first = sorted(weights)[0]
+    weights[first] = weights[first] + 1
+    save_file(weights, other_base / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="trained on a base model of digest"):
+        _core(other_base).load_checkpoint(tmp_path / "step1")
+    with pytest.raises(ValueError, match="a LoRA adapter checkpoint; this run trains the full"):
+        PolicyTrainerCore.Config(num_threads=1).build(model_dir=model_dir).load_checkpoint(
+            tmp_path / "step1")
+
 
 def test_the_lora_config_names_its_mistakes() -> None:
     with pytest.raises(ValueError, match="k_proj and v_proj go together"):

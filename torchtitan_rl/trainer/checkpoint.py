@@ -2,10 +2,13 @@
 
 Layout of a DCP checkpoint directory (one per step, written by every trainer rank together):
 
-    model.*            sharded parameters (DTensor shards are saved as such; any world size loads)
+    model.*            sharded parameters (DTensor shards are saved as such; any world size loads);
+                       with a frozen base (LoRA) only the trainable ones
     optimizer.*        AdamW exp_avg / exp_avg_sq / step per parameter
     trainer.step       int: optimizer steps done (= policy_version)
     trainer.extra_json str: the controller's ``extra`` dict as JSON (cursor, counters, ...)
+    trainer.base_digest str, with a frozen base only: the base weights' digest (a resume on
+                       another base would load the adapters onto weights they were not trained on)
 
 Loading never unpickles arbitrary objects: tensors come through DCP's weights_only reader and the
 non-tensor leaves through ``torch.load(weights_only=True)`` (``_WeightsOnlyLoadPlanner``).
@@ -69,42 +72,68 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     step: int,
     extra: dict[str, Any],
+    base_digest: str | None = None,
 ) -> None:
-    """Write a DCP checkpoint to ``path`` (collective over the trainer ranks)."""
+    """Write a DCP checkpoint to ``path`` (collective over the trainer ranks). ``base_digest``
+    given: the base is frozen; only the trainable parameters are written, with the digest."""
     try:
         extra_json = json.dumps(extra, sort_keys=True)
     except TypeError as error:
         raise ValueError(f"checkpoint extra must be JSON-serialisable: {error}") from error
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {
-        "model": model_sd,
-        "optimizer": optim_sd,
-        "trainer": {"step": int(step), "extra_json": extra_json},
-    }
+    model_sd, optim_sd = _state_dicts(model, optimizer, frozen_base=base_digest is not None)
+    trainer: dict[str, Any] = {"step": int(step), "extra_json": extra_json}
+    if base_digest is not None:
+        trainer["base_digest"] = base_digest
+    state = {"model": model_sd, "optimizer": optim_sd, "trainer": trainer}
     dcp.save(state, checkpoint_id=str(path))
     logger.info("saved trainer checkpoint step %d to %s", step, path)
 
 
 def load_checkpoint(
-    path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    path: str | os.PathLike, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    base_digest: str | None = None,
 ) -> tuple[int, dict[str, Any]]:
-    """Load ``path`` into model and optimizer in place; return (step, extra)."""
+    """Load ``path`` into model and optimizer in place; return (step, extra). ``base_digest``
+    given: the checkpoint must hold the trainable parameters of a frozen base of that digest."""
     if not (pathlib.Path(path) / ".metadata").is_file():
         raise FileNotFoundError(f"no DCP checkpoint (.metadata) at {str(path)!r}")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {
-        "model": model_sd,
-        "optimizer": optim_sd,
-        "trainer": {"step": -1, "extra_json": ""},
-    }
+    frozen_base = base_digest is not None
+    saved_keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if frozen_base != ("trainer.base_digest" in saved_keys):
+        raise ValueError(
+            f"{path}: " + ("a full-model checkpoint; this run trains LoRA adapters" if frozen_base
+                           else "a LoRA adapter checkpoint; this run trains the full model")
+            + " (trainer.lora.enabled must match the run that wrote it)")
+    model_sd, optim_sd = _state_dicts(model, optimizer, frozen_base=frozen_base)
+    trainer: dict[str, Any] = {"step": -1, "extra_json": ""}
+    if frozen_base:
+        trainer["base_digest"] = ""
+    state = {"model": model_sd, "optimizer": optim_sd, "trainer": trainer}
     dcp.load(state, checkpoint_id=str(path), planner=_WeightsOnlyLoadPlanner())
+    if frozen_base and state["trainer"]["base_digest"] != base_digest:
+        raise ValueError(
+            f"{path}: its adapters were trained on a base model of digest "
+            f"{state['trainer']['base_digest'][:16]}, this run's base is {base_digest[:16]}")
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-        options=StateDictOptions(strict=True),
+        options=StateDictOptions(strict=not frozen_base, ignore_frozen_params=frozen_base),
     )
     step = int(state["trainer"]["step"])
     logger.info("loaded trainer checkpoint step %d from %s", step, path)
     return step, json.loads(state["trainer"]["extra_json"])
+
+
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, frozen_base: bool
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DCP's model and optimizer state dicts; with a frozen base, the trainable parameters only
+    (torch's ``ignore_frozen_params`` keeps a tied frozen weight's second name)."""
+    model_sd, optim_sd = get_state_dict(
+        model, optimizer, options=StateDictOptions(ignore_frozen_params=frozen_base))
+    if frozen_base:
+        trainable = {name for name, p in model.named_parameters(remove_duplicate=False)
+                     if p.requires_grad}
+        model_sd = {name: value for name, value in model_sd.items() if name in trainable}
+    return model_sd, optim_sd
 
 
 def export_hf(

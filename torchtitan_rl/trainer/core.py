@@ -23,8 +23,10 @@ controller imports this module for its ``Config`` and would pay seconds for them
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
+import pathlib
 import time
 from typing import Any, Literal
 
@@ -175,6 +177,7 @@ class PolicyTrainerCore(Configurable):
             else torchtitan_qwen3_config(model_dir, attn_backend=backend)
         )
         self.lora = config.lora.build() if config.lora.enabled else None
+        self._weights_digest: str | None = None
         if self.lora is not None:
             self.model_config = self.lora.convert(self.model_config)
         self.parallel_dims = None
@@ -408,7 +411,7 @@ class PolicyTrainerCore(Configurable):
 
         ckpt.save_checkpoint(
             path, model=self.model, optimizer=self.optimizer, step=self.policy_version,
-            extra=extra or {},
+            extra=extra or {}, base_digest=self._base_digest(),
         )
         if self.critic is not None:
             ckpt.save_checkpoint(os.path.join(path, "critic"), model=self.critic.model,
@@ -419,7 +422,8 @@ class PolicyTrainerCore(Configurable):
         """Restore what save_checkpoint wrote (weights_only); returns its ``extra``."""
         from torchtitan_rl.trainer import checkpoint as ckpt
 
-        step, extra = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        step, extra = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer,
+                                           base_digest=self._base_digest())
         if self.critic is not None:
             critic_path = os.path.join(path, "critic")
             if not os.path.isfile(os.path.join(critic_path, ".metadata")):
@@ -440,6 +444,23 @@ class PolicyTrainerCore(Configurable):
         )
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    def _base_digest(self) -> str | None:
+        """With LoRA, what the frozen base is: sha256 of its weight files (or the flavor and
+        seed of a random one); None without LoRA."""
+        if self.lora is None:
+            return None
+        if self._weights_digest is None:
+            if self.config.flavor:
+                self._weights_digest = f"flavor={self.config.flavor}/seed={self.config.seed}"
+            else:
+                digest = hashlib.sha256()
+                for file in sorted(pathlib.Path(self.model_dir).glob("*.safetensors")):
+                    with open(file, "rb") as f:
+                        for block in iter(lambda: f.read(1 << 24), b""):
+                            digest.update(block)
+                self._weights_digest = digest.hexdigest()
+        return self._weights_digest
 
     def _build_model(self, value_head: bool = False) -> torch.nn.Module:
         from torchtitan_rl.models.qwen3 import build_qwen3_from_hf
