@@ -139,3 +139,32 @@ def test_the_lora_config_names_its_mistakes() -> None:
 
         PolicyTrainerCore.Config(lora=LoRA.Config(enabled=True),
                                  critic=ValueCritic.Config(enabled=True))
+
+
+def test_the_peft_export_loads_in_peft_and_computes_the_merged_exports_logits(
+        model_dir, tmp_path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    core = _core(model_dir, rank=8, alpha=16.0)
+    batch = _batch(2)
+    for _ in range(2):
+        core.forward_backward(batch)
+        core.optim_step()
+    core.export_hf(tmp_path / "merged")
+    core.lora.config.export = "peft"
+    core.export_hf(tmp_path / "adapter")
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+
+    input_ids = torch.tensor([batch.microbatch(0, 0)["input_ids"][0, :12].tolist()])
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    with torch.no_grad():
+        expected = merged(input_ids=input_ids).logits
+        actual = adapted(input_ids=input_ids).logits
+        with adapted.disable_adapter():
+            base_logits = adapted(input_ids=input_ids).logits
+    assert (actual - base_logits).abs().max() > 1e-3  # the adapter is loaded and acts
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)

@@ -385,6 +385,11 @@ class PolicyTrainerCore(Configurable):
         """torchtitan-named plain full tensors (collective over the trainer ranks; a tied weight
         is gathered once and appears under both names). With LoRA: each adapted weight merged
         with its adapter, no adapter entries: what the generators and an HF export load."""
+        result = self._gathered_state_dict()
+        return self.lora.merged_state_dict(result) if self.lora is not None else result
+
+    def _gathered_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict as plain full tensors (collective; a tied weight once)."""
         from torch.distributed.tensor import DTensor
 
         full: dict[tuple[int, int], torch.Tensor] = {}
@@ -397,7 +402,7 @@ class PolicyTrainerCore(Configurable):
                 value = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                 full[key] = value.detach()
             result[name] = full[key]
-        return self.lora.merged_state_dict(result) if self.lora is not None else result
+        return result
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named plain full tensors (collective); no lm_head when embeddings are tied."""
@@ -435,9 +440,17 @@ class PolicyTrainerCore(Configurable):
         return extra
 
     def export_hf(self, path: str | os.PathLike, dtype: str = "") -> None:
-        """Write an HF model dir (safetensors + config/tokenizer files of the source dir)."""
+        """Write an HF model dir (safetensors + config/tokenizer files of the source dir); with
+        ``trainer.lora.export = "peft"``, a PEFT adapter dir over the base instead."""
         from torchtitan_rl.trainer import checkpoint as ckpt
 
+        if self.lora is not None and self.lora.config.export == "peft":
+            state_dict = self._gathered_state_dict()  # a collective: every rank gathers
+            if self.rank == 0:
+                self.lora.write_peft_adapter(path, state_dict, self.model_config, self.model_dir)
+            if dist.is_initialized():
+                dist.barrier()
+            return
         ckpt.export_hf(
             path, self.hf_state_dict(), source_dir=self.model_dir,
             dtype=_DTYPES[dtype] if dtype else None, write=self.rank == 0,

@@ -26,8 +26,11 @@ Names: torchtitan's Qwen3 builds ``wk`` and ``wv`` from one ``wkv`` config, so `
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import pathlib
 from collections.abc import Iterator
+from typing import Literal
 
 import torch
 
@@ -59,6 +62,10 @@ class LoRA(Configurable):
                                      "up_proj", "down_proj"])
         """PEFT's projection names to adapt (every attention and MLP projection by default: the
         embeddings and the output head, tied in the demo models, stay as they are)."""
+        export: Literal["merged", "peft"] = "merged"
+        """The run's final ``hf/``: "merged", the base with the adapters merged in (loads in
+        transformers and vLLM like any model); "peft", a PEFT adapter directory
+        (adapter_config.json, adapter_model.safetensors) over the base it names."""
         lr: float | None = None
         """AdamW learning rate of the adapters; None: 10 x trainer.optimizer.lr (LoRA's best
         learning rate sits about 10x above full fine-tuning's: Schulman et al. 2025, "LoRA
@@ -71,6 +78,9 @@ class LoRA(Configurable):
                 raise ValueError(f"trainer.lora.alpha must be > 0, got {self.alpha}")
             if not 0 <= self.dropout < 1:
                 raise ValueError(f"trainer.lora.dropout must be in [0, 1), got {self.dropout}")
+            if self.export not in ("merged", "peft"):
+                raise ValueError(f"trainer.lora.export must be 'merged' or 'peft', got "
+                                 f"{self.export!r}")
             if self.lr is not None and self.lr <= 0:
                 raise ValueError(f"trainer.lora.lr must be > 0 when set, got {self.lr}")
             unknown = sorted(set(self.target_modules) - set(PEFT_TO_TORCHTITAN))
@@ -153,3 +163,33 @@ class LoRA(Configurable):
     def adapter_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Only the adapters' entries (torchtitan names)."""
         return {name: t for name, t in state_dict.items() if name.endswith(ADAPTER_SUFFIXES)}
+
+    def write_peft_adapter(self, path: str | pathlib.Path, state_dict: dict[str, torch.Tensor],
+                           model_config, base_model_dir: str | None) -> None:
+        """``path`` as PEFT writes a LoRA adapter: adapter_config.json and
+        adapter_model.safetensors with HF module names (``q_proj.lora_A.weight`` ...).
+        ``state_dict``: plain full tensors, torchtitan names, adapters included."""
+        from safetensors.torch import save_file
+
+        from torchtitan_rl.models.qwen3 import hf_state_dict_from_torchtitan
+
+        tensors = {}
+        for name, tensor in self.adapter_state_dict(state_dict).items():
+            prefix, kind = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]  # ...wq, lora_a
+            (hf_name,) = hf_state_dict_from_torchtitan({prefix + ".weight": tensor}, model_config)
+            peft_kind = {"lora_a": "lora_A", "lora_b": "lora_B"}[kind]
+            tensors["base_model.model." + hf_name.removesuffix(".weight") + f".{peft_kind}.weight"
+                    ] = tensor.detach().contiguous()
+        out = pathlib.Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.config.rank,
+            "lora_alpha": self.config.alpha, "lora_dropout": self.config.dropout,
+            "target_modules": sorted(self.config.target_modules), "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "modules_to_save": None,
+            "base_model_name_or_path": (str(pathlib.Path(base_model_dir).resolve())
+                                        if base_model_dir else None),
+        }
+        (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True)
+                                                 + "\n")
