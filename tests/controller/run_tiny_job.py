@@ -2,7 +2,7 @@
 OUTPUT_DIR NAME NUM_STEPS [--resume] [--num-prompts N] [--staleness S] [--partial-rollout abort]
 [--num-generators N] [--max-restarts N] [--trainer-max-restarts N] [--checkpoint-every N]
 [--max-skipped-in-row N] [--placement KIND] [--generator-tp 1,2] [--num-trainer-ranks N]
-[--relay-chunk-bytes N] [--verify] [--num-workers N] [--engine vllm|stand_in]
+[--relay-chunk-bytes N] [--verify] [--lora-rank R] [--num-workers N] [--engine vllm|stand_in]
 [--stand-in-tokens-per-s R]. Staleness 0 (the
 default) is synchronous training. Jobs on simulated hosts (--placement process) run here, never
 in the pytest process: monarch.job imports flask, whose proxies break vLLM's kernel scan of
@@ -19,6 +19,7 @@ import sys
 from tests.controller.jobs import on_stand_in_engines, tiny_job
 from tests.controller.letter_task import LetterTask
 from torchtitan_rl.controller.hosts.placement import Placement
+from torchtitan_rl.trainer.lora import LoRA
 from torchtitan_rl.train import run_and_report
 
 
@@ -41,6 +42,8 @@ def run(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-trainer-ranks", type=int, default=1)
     parser.add_argument("--relay-chunk-bytes", type=int, default=None)
     parser.add_argument("--verify", action="store_true", help="verify_weight_push")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="train LoRA adapters of this rank (trainer.lora), alpha 2 x rank")
     parser.add_argument("--num-workers", type=int, default=0, help="rollouter.num_workers")
     parser.add_argument("--worker-outcome-interval-s", type=float, default=None,
                         help="rollouter.worker_outcome_interval_s")
@@ -66,6 +69,8 @@ def run(argv: list[str] | None = None) -> None:
                                        resume="must" if args.resume else "never"),
         trainer=dataclasses.replace(
             config.trainer, max_restarts=args.trainer_max_restarts,
+            lora=LoRA.Config(enabled=args.lora_rank > 0, rank=max(args.lora_rank, 1),
+                             alpha=2.0 * max(args.lora_rank, 1)),
             relay_chunk_bytes=args.relay_chunk_bytes or config.trainer.relay_chunk_bytes),
         num_trainer_ranks=args.num_trainer_ranks,
         verify_weight_push=args.verify,

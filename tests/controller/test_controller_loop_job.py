@@ -52,13 +52,18 @@ def _run_tiny_job(*args: str, fault: str | None = None) -> subprocess.CompletedP
 def test_resume_after_sigkill_loses_nothing(tmp_path, staleness, num_workers, engine, placement):
     """Also the lifetime endings by SIGKILL (test_controller_lifetime): a SIGKILLed controller
     leaves no process behind, on one host and on simulated hosts (its procs, generators and
-    engines, the hosts, its orphan reaper), and no socket folder."""
+    engines, the hosts, its orphan reaper), and no socket folder. On vLLM the run trains LoRA
+    adapters (trainer.lora), every push read back from the engine bit for bit: its checkpoints
+    hold the adapters only, and the resume trains every step once all the same."""
     num_prompts, groups_per_step = 8, 2  # one epoch = 4 steps of 2 groups (tiny_job)
     num_steps = num_prompts // groups_per_step
     kill_after = random.Random(20261123 + staleness).randint(1, num_steps - 1)
     args = [str(tmp_path), "killed", str(num_steps), "--num-prompts", str(num_prompts),
             "--staleness", str(staleness), "--num-workers", str(num_workers), "--engine", engine,
             "--placement", placement]
+    lora = engine == "vllm"
+    if lora:
+        args += ["--lora-rank", "8", "--verify"]
 
     run = RunSessions()
     try:
@@ -102,6 +107,17 @@ def test_resume_after_sigkill_loses_nothing(tmp_path, staleness, num_workers, en
         assert {int(i.split("/")[0].removeprefix("group=")) for i in step["sample_ids"]} <= set(
             step["group_ids"])
     _assert_each_step_logged_once(run_dir, num_steps)
+    if lora:
+        import torch.distributed.checkpoint as dcp
+
+        trainer_dir = run_dir / "checkpoints" / f"step-{kill_after:06d}" / "trainer"
+        saved = dcp.FileSystemReader(str(trainer_dir)).read_metadata().state_dict_metadata
+        weights = [k for k in saved if k.startswith("model.")]
+        assert weights and all(".lora_a." in k or ".lora_b." in k for k in weights), weights
+        metrics = read_metrics(run_dir)  # simulated hosts: each push relayed, then read back
+        assert all(metrics[s]["weight_sync/relayed_generators_verified"] == 1
+                   for s in range(num_steps))
+        assert (run_dir / "hf" / "model.safetensors").is_file()  # the merged export
 
 
 def _assert_each_step_logged_once(run_dir: pathlib.Path, num_steps: int) -> None:
@@ -287,12 +303,12 @@ def _assert_restarts_routed_once_more_each(log: str, last: dict[str, float], tmp
 
 @pytest.mark.slow
 def test_generator_killed_mid_step_is_replaced_and_nothing_is_lost(tmp_path):
-    """Synchronous, one generator on real vLLM: the run goes on once the replacement serves.
-    (Asynchronous over two generators: the next test's run.)"""
+    """Synchronous, one generator on real vLLM, training LoRA adapters: the run goes on once the
+    replacement serves. (Asynchronous over two generators: the next test's run.)"""
     num_steps, num_prompts = 6, 12
     returncode, stdout, log = run_killing_generator_0(
         tmp_path, "lost", num_steps, "--num-prompts", str(num_prompts), "--staleness", "0",
-        "--num-generators", "1", "--engine", "vllm")
+        "--num-generators", "1", "--engine", "vllm", "--lora-rank", "8", "--verify")
     assert returncode == 0, log[-4000:]
     assert "steps=6" in stdout.strip().splitlines()[-1].split()
     run_dir = tmp_path / "lost"
@@ -302,6 +318,10 @@ def test_generator_killed_mid_step_is_replaced_and_nothing_is_lost(tmp_path):
     _assert_restarts_routed_once_more_each(log, last, tmp_path, num_steps, 1)
     assert last["generator/recovery_s"] > 0  # the run could only go on once it served
     assert "generator_0 replaced by generator_0_r1" in log
+    # LoRA adapters (trainer.lora): the replacement, started from the base model, was given the
+    # merged weights of the current adapters, read back bit for bit like every push.
+    metrics = read_metrics(run_dir)
+    assert all(metrics[s]["weight_sync/num_mismatched_tensors"] == 0 for s in range(num_steps))
 
 
 @pytest.mark.slow
