@@ -19,8 +19,8 @@ import sys
 from tests.controller.jobs import on_stand_in_engines, tiny_job
 from tests.controller.letter_task import LetterTask
 from torchtitan_rl.controller.hosts.placement import Placement
-from torchtitan_rl.trainer.lora import LoRA
 from torchtitan_rl.train import run_and_report
+from torchtitan_rl.trainer.lora import LoRA
 
 
 def run(argv: list[str] | None = None) -> None:

@@ -117,6 +117,8 @@ def test_resume_after_sigkill_loses_nothing(tmp_path, staleness, num_workers, en
         metrics = read_metrics(run_dir)  # simulated hosts: each push relayed, then read back
         assert all(metrics[s]["weight_sync/relayed_generators_verified"] == 1
                    for s in range(num_steps))
+        # the adapters alone went down the relay (trainer.lora.push = "adapter")
+        assert 0 < metrics[0]["weight_sync/model_bytes"] < TINY_MODEL_BYTES / 2
         assert (run_dir / "hf" / "model.safetensors").is_file()  # the merged export
 
 
@@ -318,10 +320,12 @@ def test_generator_killed_mid_step_is_replaced_and_nothing_is_lost(tmp_path):
     _assert_restarts_routed_once_more_each(log, last, tmp_path, num_steps, 1)
     assert last["generator/recovery_s"] > 0  # the run could only go on once it served
     assert "generator_0 replaced by generator_0_r1" in log
-    # LoRA adapters (trainer.lora): the replacement, started from the base model, was given the
-    # merged weights of the current adapters, read back bit for bit like every push.
+    # LoRA (trainer.lora): the replacement, started from the base model, was given the current
+    # adapters alone, read back bit for bit like every push.
     metrics = read_metrics(run_dir)
     assert all(metrics[s]["weight_sync/num_mismatched_tensors"] == 0 for s in range(num_steps))
+    assert all(0 < metrics[s]["weight_sync/bytes"] < TINY_MODEL_BYTES / 2
+               for s in range(num_steps))
 
 
 @pytest.mark.slow

@@ -168,3 +168,20 @@ def test_the_peft_export_loads_in_peft_and_computes_the_merged_exports_logits(
             base_logits = adapted(input_ids=input_ids).logits
     assert (actual - base_logits).abs().max() > 1e-3  # the adapter is loaded and acts
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_dropout_draws_only_while_training(model_dir) -> None:
+    core = _core(model_dir, dropout=0.5)
+    batch = _batch(3)
+    core.forward_backward(batch)
+    core.optim_step()
+    core.forward_backward(batch)
+    core.optim_step()  # B is non-zero now: the adapters' input matters
+    data = batch.microbatch(0, 0)
+    with torch.no_grad():
+        core.model.train()
+        one, two = (core._logits(data["input_ids"], data["positions"]) for _ in range(2))
+        core.model.eval()
+        three, four = (core._logits(data["input_ids"], data["positions"]) for _ in range(2))
+    assert not torch.equal(one, two)
+    assert torch.equal(three, four)

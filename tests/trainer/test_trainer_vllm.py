@@ -26,26 +26,27 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 17, 99, 250, 31], [400, 12, 7], [3, 3, 600, 701, 702, 9, 44]]
 
 
-def _engine(model_dir: pathlib.Path):
+def _engine(model_dir: pathlib.Path, **lora):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import EngineArgs, LLMEngine
 
     return LLMEngine.from_engine_args(
         EngineArgs(
             model=str(model_dir), dtype="float32", max_model_len=128, enforce_eager=True,
-            seed=0, kv_cache_memory_bytes=64 * 2**20, enable_chunked_prefill=False,
+            seed=0, kv_cache_memory_bytes=64 * 2**20, enable_chunked_prefill=False, **lora,
         )
     )
 
 
-def _generate(engine, *, temperature: float, max_tokens: int = 12) -> list:
+def _generate(engine, *, temperature: float, max_tokens: int = 12, lora_request=None) -> list:
     from vllm import SamplingParams
 
     params = SamplingParams(
         temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=1, ignore_eos=True
     )
     for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params,
+                           lora_request=lora_request)
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -145,3 +146,48 @@ def test_trainer_logprobs_match_vllm_float32(pushed):
     assert int(mask.sum()) == 3 * 16
     assert diff.mean().item() <= 1e-5
     assert diff.max().item() <= 1e-4
+
+
+def test_an_adapter_push_generates_like_a_fresh_engine_of_the_merged_weights(tmp_path):
+    """trainer.lora.push = "adapter": the engine serves the pushed adapters over its base model
+    (weight_sync/lora_pull.py) and generates, greedy, as an engine loaded with the merged export
+    does; what it holds reads back bit for bit (B times alpha / rank, as vLLM scales it)."""
+    from torchtitan_rl.assets.make_model import ensure_model
+    from torchtitan_rl.models.qwen3 import hf_state_dict_from_torchtitan
+    from torchtitan_rl.trainer.lora import LoRA
+    from torchtitan_rl.weight_sync.lora_pull import AdapterPuller
+
+    model_dir = ensure_model("tiny", REPO_ROOT / "assets" / "models").resolve()
+    config = PolicyTrainerCore.Config(num_threads=1,
+                                      lora=LoRA.Config(enabled=True, rank=8, alpha=16.0))
+    config.optimizer.lr = 0.01
+    core = config.build(model_dir=model_dir)
+    batch = Batcher.Config(seq_len=32).build().pack([_sample(p + [11, 12, 13, 14], 1.0) for p in PROMPTS])
+    for _ in range(3):
+        core.forward_backward(batch)
+        core.optim_step()
+    core.export_hf(tmp_path / "merged")
+    adapters = core.pushed_state_dict()
+    assert adapters and all(".lora_" in name for name in adapters)
+
+    engine = _engine(model_dir, enable_lora=True, max_lora_rank=8, max_loras=1)
+    base = [o.token_ids for o in _generate(engine, temperature=0.0)]
+    puller = AdapterPuller(str(model_dir), rank=8, alpha=16.0)
+    assert puller.lora_request is None
+    puller.apply(engine, puller.prepare(hf_state_dict_from_torchtitan(adapters, core.model_config)))
+    engine.reset_prefix_cache()
+    served = _generate(engine, temperature=0.0, lora_request=puller.lora_request)
+    fresh = _generate(_engine(tmp_path / "merged"), temperature=0.0)
+    assert [o.token_ids for o in served] == [o.token_ids for o in fresh]
+    assert [o.token_ids for o in served] != base, "the adapter did not change generation"
+    for mine, theirs in zip(served, fresh):
+        for step, token in enumerate(mine.token_ids):
+            assert abs(mine.logprobs[step][token].logprob
+                       - theirs.logprobs[step][token].logprob) < 1e-4
+
+    expected = hf_state_dict_from_torchtitan(adapters, core.model_config)
+    expected = {n: t * core.pushed_lora_scaling if n.endswith(".lora_B.weight") else t
+                for n, t in expected.items()}
+    assert weight_mismatches(expected, puller.read_weights(engine), tied=False) == []
+    wrong = {n: t + 1e-6 if n.endswith(".lora_A.weight") else t for n, t in expected.items()}
+    assert weight_mismatches(wrong, puller.read_weights(engine), tied=False)

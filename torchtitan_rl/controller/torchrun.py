@@ -208,11 +208,12 @@ class TorchrunTrainerClient(TrainerClient):
     async def push_full_weights(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
         assert generator.weight_transport is not None, "the pool picks each generator's transport"
         start = time.perf_counter()
-        state_dict = await self._send(PolicyTrainerCore.full_model_state_dict)
+        state_dict = await self._send(PolicyTrainerCore.pushed_state_dict)
         metrics = {"weight_sync/gather_s": time.perf_counter() - start}
         if self._pusher is None:
             assert self.trainer.core is not None
-            self._pusher = WeightPusher(model_config=self.trainer.core.model_config)
+            self._pusher = WeightPusher(model_config=self.trainer.core.model_config,
+                                        lora_scaling=self.trainer.core.pushed_lora_scaling)
         metrics.update(await self._pusher.push(
             version, state_dict, generator.actors, transport=generator.weight_transport,
             verify=self.verify_push))
@@ -223,7 +224,7 @@ class TorchrunTrainerClient(TrainerClient):
     async def relay_weights(self, chain: list[GeneratorHandle], version: int, attempt: int
                             ) -> dict[str, float]:
         start = time.perf_counter()
-        state_dict = await self._send(PolicyTrainerCore.full_model_state_dict)
+        state_dict = await self._send(PolicyTrainerCore.pushed_state_dict)
         chunks, model_bytes = relay_chunks(state_dict, policy_version=version, attempt=attempt,
                                            rank=0, chunk_bytes=self.relay_chunk_bytes)
         sent = await send_chunks(chunks, [h.actors for h in chain], self._link)
@@ -231,14 +232,15 @@ class TorchrunTrainerClient(TrainerClient):
                                "send_s": time.perf_counter() - start}])
 
     async def verify_weights(self, generators: list[GeneratorHandle], version: int) -> None:
-        state_dict = await self._send(PolicyTrainerCore.full_model_state_dict)
+        state_dict = await self._send(PolicyTrainerCore.pushed_state_dict)
         for generator in generators:
             await self._pusher_for_verify().verify(version, state_dict, generator.actors)
 
     def _pusher_for_verify(self) -> WeightPusher:
         if self._pusher is None:
             assert self.trainer.core is not None
-            self._pusher = WeightPusher(model_config=self.trainer.core.model_config)
+            self._pusher = WeightPusher(model_config=self.trainer.core.model_config,
+                                        lora_scaling=self.trainer.core.pushed_lora_scaling)
         return self._pusher
 
     async def save_checkpoint(self, directory: pathlib.Path) -> None:

@@ -135,6 +135,12 @@ class GeneratorConfig(Configurable.Config):
     stand_in_tokens_per_s: float = 2000.0
     """engine = "stand_in": output tokens per second of the whole engine (each step emits one
     token per running request and sleeps as long as this rate allows)."""
+    lora_rank: int = 0
+    """> 0: the trainer pushes LoRA adapters of this rank, not weights (``trainer.lora.push =
+    "adapter"``); the engine serves them over its base model (weight_sync/lora_pull.py). The job
+    fills it and ``lora_alpha`` from ``trainer.lora``."""
+    lora_alpha: float = 0.0
+    """The pushed adapters' alpha (their scale is alpha / lora_rank)."""
     torch_num_threads: int | None = None
     """torch threads per rank, set before the engine is built (vLLM's CPU worker forbids
     changing it afterwards). None: torch's default with one rank, 1 per rank when
@@ -164,6 +170,12 @@ class GeneratorConfig(Configurable.Config):
         if self.engine not in ("vllm", "stand_in") and ":" not in self.engine:
             raise ValueError(f"engine must be 'vllm', 'stand_in' or 'package.module:function',"
                              f" got {self.engine!r}")
+        if self.lora_rank < 0 or (self.lora_rank and self.lora_alpha <= 0):
+            raise ValueError(f"lora_rank must be >= 0 and lora_alpha > 0 with it, got "
+                             f"{self.lora_rank}, {self.lora_alpha}")
+        if self.lora_rank and self.engine != "vllm":
+            raise ValueError(f"lora_rank (an adapter push) needs engine 'vllm', got "
+                             f"{self.engine!r}")
         if self.stand_in_tokens_per_s <= 0:
             raise ValueError(
                 f"stand_in_tokens_per_s must be > 0, got {self.stand_in_tokens_per_s}")

@@ -73,6 +73,7 @@ from torchtitan_rl.generator.vllm_engine import (
     first_token_latency_s,
 )
 from torchtitan_rl.types import Completion, CompletionMetrics, GenerateRequest, Sampling
+from torchtitan_rl.weight_sync.lora_pull import AdapterPuller
 from torchtitan_rl.weight_sync.pull import WeightPuller
 from torchtitan_rl.weight_sync.shared_memory import StagedWeights, StagingProgress
 
@@ -96,7 +97,7 @@ class EngineLoop:
         self,
         engine: Any,
         *,
-        puller: WeightPuller,
+        puller: WeightPuller | AdapterPuller,
         weight_sync: WeightSyncPolicy | None = None,
         max_engine_steps_between_decisions: int = 16,
         default_sampling: Sampling | None = None,
@@ -322,7 +323,8 @@ class EngineLoop:
         if not requests:
             return
         salt = str(self.policy_version) if self.weight_sync.salts_prefix_cache_by_version else None
-        failures = await self._in_thread(add_requests, self.engine, requests, salt)
+        failures = await self._in_thread(add_requests, self.engine, requests, salt,
+                                         self.puller.lora_request)
         if self.rank != 0:
             return
         now = time.monotonic()
@@ -500,9 +502,12 @@ async def start_engine_loop(
         load = "in_place" if (config.engine == "vllm" and tp == 1 and config.enforce_eager
                               and vllm_cpu_kernels) else "reload"
         logger.info("weight_sync.load='auto': %s", load)
-    puller = WeightPuller(config.model_dir, load=load,  # type: ignore[arg-type]
-                          repack_cpu_linears=config.weight_sync.repack_cpu_linears,
-                          vllm_cpu_kernels=vllm_cpu_kernels)
+    puller: WeightPuller | AdapterPuller = (
+        AdapterPuller(config.model_dir, rank=config.lora_rank, alpha=config.lora_alpha)
+        if config.lora_rank else
+        WeightPuller(config.model_dir, load=load,  # type: ignore[arg-type]
+                     repack_cpu_linears=config.weight_sync.repack_cpu_linears,
+                     vllm_cpu_kernels=vllm_cpu_kernels))
     await loop.run_in_executor(executor, puller.setup, engine)
     channel = None
     if tp > 1:

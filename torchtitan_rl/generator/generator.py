@@ -224,12 +224,11 @@ class Generator(Actor, Configurable):
         """Every rank: this engine's weights as full HF-named tensors (verifying a push bit for
         bit, see WeightPusher.push(verify=True)). Tensor parallel 1 only: a TP rank holds
         shards."""
-        from torchtitan_rl.weight_sync.pull import read_hf_weights
-
         if self.config.tensor_parallel_degree != 1:
             raise RuntimeError("read_hf_weights needs tensor_parallel_degree 1 (TP ranks hold "
                                f"shards), got {self.config.tensor_parallel_degree}")
-        return read_hf_weights(self._loop().engine)
+        loop = self._loop()
+        return loop.puller.read_weights(loop.engine)
 
     # ---- helpers --------------------------------------------------------------------------------
     async def _pull_relayed(self, policy_version: int, state_dict: dict[str, torch.Tensor]

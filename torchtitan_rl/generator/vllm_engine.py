@@ -46,6 +46,7 @@ class EngineSpec(Protocol):
     enable_prefix_caching: bool
     block_size: int | None
     seed: int
+    lora_rank: int
 
 
 def build_engine(config: EngineSpec) -> LLMEngine:
@@ -77,6 +78,11 @@ def build_engine(config: EngineSpec) -> LLMEngine:
         # Admission order must equal the broadcast order on every rank.
         scheduling_policy="fcfs",
         seed=config.seed,
+        # One adapter slot: the pushed policy's (weight_sync/lora_pull.py). vLLM reserves ranks
+        # 1, 8, 16, 32, ... and pads a smaller adapter with zeros.
+        **({"enable_lora": True, "max_loras": 1,
+            "max_lora_rank": min(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512)
+                                 if r >= config.lora_rank)} if config.lora_rank else {}),
     )
     if config.enforce_eager:
         _sampler_ranks_eagerly()
@@ -170,8 +176,10 @@ def sampling_params(sampling: Sampling) -> SamplingParams:
     )
 
 
-def add_request(engine: LLMEngine, request: EngineRequest, cache_salt: str | None = None) -> None:
-    """``cache_salt``: the request shares prefix-cache blocks only with requests of the same salt."""
+def add_request(engine: LLMEngine, request: EngineRequest, cache_salt: str | None = None,
+                lora_request: Any = None) -> None:
+    """``cache_salt``: the request shares prefix-cache blocks only with requests of the same salt.
+    ``lora_request``: the pushed adapter it generates with (None: the base weights)."""
     # render_cmpl is vLLM's input pipeline (no tokenization for token-id prompts).
     prompt: dict[str, Any] = {"prompt_token_ids": request.prompt_token_ids}
     if cache_salt is not None:
@@ -180,7 +188,10 @@ def add_request(engine: LLMEngine, request: EngineRequest, cache_salt: str | Non
     # An engine that reads ``Sampling`` as it is (the stand-in) is spared importing vLLM.
     params = (request.sampling if getattr(engine, "accepts_sampling", False)
               else sampling_params(request.sampling))
-    engine.add_request(request.request_id, engine_input, params)
+    if lora_request is None:
+        engine.add_request(request.request_id, engine_input, params)
+    else:
+        engine.add_request(request.request_id, engine_input, params, lora_request=lora_request)
 
 
 def partial_output(engine: LLMEngine, request_id: str) -> RequestOutput | None:
@@ -209,13 +220,13 @@ def _abort_reason(engine: LLMEngine) -> Any:
 
 
 def add_requests(engine: LLMEngine, requests: list[EngineRequest],
-                 cache_salt: str | None = None) -> dict[str, Exception]:
+                 cache_salt: str | None = None, lora_request: Any = None) -> dict[str, Exception]:
     """Add every request; one vLLM refuses (too long, a bad token id) fails alone, the same way
     on every rank. Returns {request id: its error} for those."""
     failures: dict[str, Exception] = {}
     for request in requests:
         try:
-            add_request(engine, request, cache_salt=cache_salt)
+            add_request(engine, request, cache_salt=cache_salt, lora_request=lora_request)
         except Exception as exc:
             failures[request.request_id] = exc
     return failures

@@ -312,12 +312,26 @@ def _adapter(model_config: Qwen3Model.Config) -> Qwen3StateDictAdapter:
     return Qwen3StateDictAdapter(model_config, hf_assets_path=None)
 
 
+LORA_KINDS = {"lora_a": "lora_A", "lora_b": "lora_B"}
+"""torchtitan's LoRA entry names (``...wq.lora_a.weight``) -> PEFT's (``...q_proj.lora_A.weight``)."""
+
+
 def hf_state_dict_from_torchtitan(
     state_dict: dict[str, torch.Tensor], model_config: Qwen3Model.Config
 ) -> dict[str, torch.Tensor]:
     """Rename a torchtitan Qwen3 state dict to HF names. Values are the same objects (DTensors
-    stay DTensors, nothing is copied or gathered); a tied ``lm_head.weight`` is left out."""
-    return _adapter(model_config).to_hf(dict(state_dict))
+    stay DTensors, nothing is copied or gathered); a tied ``lm_head.weight`` is left out. LoRA
+    entries (trainer/lora.py) take PEFT's names under their module's HF name:
+    ``model.layers.0.self_attn.q_proj.lora_A.weight``."""
+    adapter = _adapter(model_config)
+    lora = {name: t for name, t in state_dict.items()
+            if name.endswith((".lora_a.weight", ".lora_b.weight"))}
+    hf = adapter.to_hf({name: t for name, t in state_dict.items() if name not in lora})
+    for name, tensor in lora.items():
+        module, kind, _ = name.rsplit(".", 2)
+        (module_weight,) = adapter.to_hf({module + ".weight": tensor})
+        hf[f"{module_weight.removesuffix('.weight')}.{LORA_KINDS[kind]}.weight"] = tensor
+    return hf
 
 
 def torchtitan_state_dict_from_hf(

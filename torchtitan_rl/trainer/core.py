@@ -375,11 +375,27 @@ class PolicyTrainerCore(Configurable):
     # ---- weights and checkpoints ------------------------------------------------------------
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """torchtitan-named state dict as this rank holds it (DTensor shards when parallel).
-        With LoRA: the merged weights, gathered (a collective; rank 0's are the ones sent)."""
-        if self.lora is not None:
-            return self.full_model_state_dict()
-        return self.model.state_dict()
+        """What this rank sends of a relayed push: torchtitan-named state dict as this rank holds
+        it (DTensor shards when parallel). With LoRA, ``pushed_state_dict()``, gathered (a
+        collective; rank 0 sends it all)."""
+        if self.lora is None:
+            return self.model.state_dict()
+        return self.pushed_state_dict()
+
+    def pushed_state_dict(self) -> dict[str, torch.Tensor]:
+        """What a push sends and a verify expects, plain full tensors, torchtitan names
+        (collective): the model's weights, or with ``trainer.lora.push = "adapter"`` the
+        adapters alone."""
+        if self.lora is not None and self.lora.config.push == "adapter":
+            return LoRA.adapter_state_dict(self._gathered_state_dict())
+        return self.full_model_state_dict()
+
+    @property
+    def pushed_lora_scaling(self) -> float | None:
+        """alpha / rank when pushes carry adapters (the engine scales B by it), else None."""
+        if self.lora is not None and self.lora.config.push == "adapter":
+            return self.lora.scaling
+        return None
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         """torchtitan-named plain full tensors (collective over the trainer ranks; a tied weight

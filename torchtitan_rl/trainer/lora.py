@@ -62,6 +62,10 @@ class LoRA(Configurable):
                                      "up_proj", "down_proj"])
         """PEFT's projection names to adapt (every attention and MLP projection by default: the
         embeddings and the output head, tied in the demo models, stay as they are)."""
+        push: Literal["adapter", "merged"] = "adapter"
+        """What the generators receive after each step: "adapter", the adapters alone, served by
+        vLLM's LoRA over the base it started with (weight_sync/lora_pull.py); "merged", the
+        full weights with the adapters merged in (any engine; as many bytes as full training)."""
         export: Literal["merged", "peft"] = "merged"
         """The run's final ``hf/``: "merged", the base with the adapters merged in (loads in
         transformers and vLLM like any model); "peft", a PEFT adapter directory
@@ -78,6 +82,9 @@ class LoRA(Configurable):
                 raise ValueError(f"trainer.lora.alpha must be > 0, got {self.alpha}")
             if not 0 <= self.dropout < 1:
                 raise ValueError(f"trainer.lora.dropout must be in [0, 1), got {self.dropout}")
+            if self.push not in ("adapter", "merged"):
+                raise ValueError(f"trainer.lora.push must be 'adapter' or 'merged', got "
+                                 f"{self.push!r}")
             if self.export not in ("merged", "peft"):
                 raise ValueError(f"trainer.lora.export must be 'merged' or 'peft', got "
                                  f"{self.export!r}")
@@ -134,9 +141,11 @@ class LoRA(Configurable):
                 a.copy_(drawn.to(device=a.device, dtype=a.dtype))
                 b.zero_()
                 if self.config.dropout > 0:
-                    p = self.config.dropout
-                    module.lora_a.register_forward_pre_hook(
-                        lambda m, args: (torch.nn.functional.dropout(args[0], p, m.training),))
+                    module.lora_a.register_forward_pre_hook(self._dropout_input)
+
+    def _dropout_input(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...]
+                       ) -> tuple[torch.Tensor, ...]:
+        return (torch.nn.functional.dropout(args[0], self.config.dropout, module.training),)
 
     @staticmethod
     def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -173,13 +182,9 @@ class LoRA(Configurable):
 
         from torchtitan_rl.models.qwen3 import hf_state_dict_from_torchtitan
 
-        tensors = {}
-        for name, tensor in self.adapter_state_dict(state_dict).items():
-            prefix, kind = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]  # ...wq, lora_a
-            (hf_name,) = hf_state_dict_from_torchtitan({prefix + ".weight": tensor}, model_config)
-            peft_kind = {"lora_a": "lora_A", "lora_b": "lora_B"}[kind]
-            tensors["base_model.model." + hf_name.removesuffix(".weight") + f".{peft_kind}.weight"
-                    ] = tensor.detach().contiguous()
+        tensors = {"base_model.model." + name: t.detach().contiguous() for name, t in
+                   hf_state_dict_from_torchtitan(self.adapter_state_dict(state_dict),
+                                                 model_config).items()}
         out = pathlib.Path(path)
         out.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})

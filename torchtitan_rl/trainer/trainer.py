@@ -108,7 +108,8 @@ class PolicyTrainer(Actor, Configurable):
         self.weight_transport = config.weight_transport
         self.relay_chunk_bytes = config.relay_chunk_bytes
         self.link = LinkPacer.from_env()
-        self.pusher = WeightPusher(model_config=self.core.model_config)
+        self.pusher = WeightPusher(model_config=self.core.model_config,
+                                   lora_scaling=self.core.pushed_lora_scaling)
 
     @concurrent_endpoint
     async def get_dp_size(self) -> int:
@@ -166,7 +167,7 @@ class PolicyTrainer(Actor, Configurable):
         if policy_version is None:
             policy_version = self.core.policy_version
         start = time.perf_counter()
-        state_dict = self.core.full_model_state_dict()
+        state_dict = self.core.pushed_state_dict()
         metrics = {"weight_sync/gather_s": time.perf_counter() - start}
         if self.core.rank != 0:
             return metrics
@@ -199,7 +200,7 @@ class PolicyTrainer(Actor, Configurable):
     async def verify_weights(self, generators: list[Any], policy_version: int) -> int:
         """Every rank gathers the full weights (debug mode); rank 0 reads each generator's back
         and compares bit for bit: raises on a difference, else returns 0 mismatches."""
-        state_dict = self.core.full_model_state_dict()
+        state_dict = self.core.pushed_state_dict()
         if self.core.rank == 0:
             for mesh in generators:
                 await self.pusher.verify(policy_version, state_dict, mesh)

@@ -91,8 +91,9 @@ class WeightPuller:
             hf_config = json.load(f)
         self.tied = bool(hf_config.get("tie_word_embeddings", False))
         self.vllm_cpu_kernels = vllm_cpu_kernels
-        self._model_config: Any = None
         self._expected: set[str] | None = None
+        self.lora_request: Any = None
+        """Requests generate with the pulled weights themselves (no adapter)."""
 
     def setup(self, engine: Any) -> None:
         """Once, right after the engine is built (in its engine thread): ``in_place`` checks the
@@ -153,6 +154,10 @@ class WeightPuller:
         if self.tied and self.vllm_cpu_kernels:
             engine.apply_model(_repack_tied_lm_head)
 
+    def read_weights(self, engine: Any) -> dict[str, torch.Tensor]:
+        """The engine's weights, HF names, bit for bit (verifying a push)."""
+        return read_hf_weights(engine)
+
     def expected_names(self) -> set[str]:
         """HF names of every tensor in the model dir's checkpoint (read once)."""
         if self._expected is None:
@@ -169,27 +174,33 @@ class WeightPuller:
         return self._expected
 
     def _to_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        from torchtitan_rl.models.qwen3 import (
-            hf_state_dict_from_torchtitan,
-            torchtitan_qwen3_config,
-        )
+        return hf_named(tensors, self.model_dir, tied=self.tied)
 
-        if self._model_config is None:
-            self._model_config = torchtitan_qwen3_config(self.model_dir)
-        hf: dict[str, torch.Tensor] = {}
-        unknown: list[str] = []
-        # One name at a time: the adapter silently drops names it does not know.
-        for name, tensor in tensors.items():
-            converted = hf_state_dict_from_torchtitan({name: tensor}, self._model_config)
-            if not converted and not (self.tied and name == "lm_head.weight"):
-                unknown.append(name)
-            hf.update(converted)
-        if unknown:
-            raise ValueError(
-                f"state dict names are not torchtitan Qwen3 names of {self.model_dir}: "
-                f"{sorted(unknown)[:5]} ({len(unknown)} in all)"
-            )
-        return hf
+
+def hf_named(tensors: dict[str, torch.Tensor], model_dir: str | pathlib.Path, *,
+             tied: bool) -> dict[str, torch.Tensor]:
+    """``tensors`` (torchtitan names of the Qwen3 model of ``model_dir``, LoRA entries included)
+    under HF names; a name the model does not have fails (a tied ``lm_head.weight`` is dropped)."""
+    from torchtitan_rl.models.qwen3 import (
+        hf_state_dict_from_torchtitan,
+        torchtitan_qwen3_config,
+    )
+
+    model_config = torchtitan_qwen3_config(model_dir)
+    hf: dict[str, torch.Tensor] = {}
+    unknown: list[str] = []
+    # One name at a time: the adapter silently drops names it does not know.
+    for name, tensor in tensors.items():
+        converted = hf_state_dict_from_torchtitan({name: tensor}, model_config)
+        if not converted and not (tied and name == "lm_head.weight"):
+            unknown.append(name)
+        hf.update(converted)
+    if unknown:
+        raise ValueError(
+            f"state dict names are not torchtitan Qwen3 names of {model_dir}: "
+            f"{sorted(unknown)[:5]} ({len(unknown)} in all)"
+        )
+    return hf
 
 
 def vllm_model(engine: Any) -> nn.Module:

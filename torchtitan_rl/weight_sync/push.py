@@ -74,9 +74,12 @@ class WeightPusher:
     """Rank 0's pusher; one per trainer (it owns the shared-memory segment, reused across pushes).
     Call ``close()`` when done (an atexit hook unlinks the segment otherwise)."""
 
-    def __init__(self, *, model_config: Any) -> None:
+    def __init__(self, *, model_config: Any, lora_scaling: float | None = None) -> None:
         self.model_config = model_config
         """The trainer's torchtitan model config (HF names and tied embeddings for verify)."""
+        self.lora_scaling = lora_scaling
+        """Pushes carry LoRA adapters (weight_sync/lora_pull.py): the alpha / rank the engine
+        multiplies B by, which a verify expects. None: pushes carry weights."""
         self._stager: SharedMemoryStager | None = None
 
     async def push(
@@ -144,7 +147,10 @@ class WeightPusher:
         from torchtitan_rl.models.qwen3 import hf_state_dict_from_torchtitan
 
         expected = hf_state_dict_from_torchtitan(state_dict, self.model_config)
-        tied = self.model_config.enable_weight_tying
+        tied = self.model_config.enable_weight_tying and self.lora_scaling is None
+        if self.lora_scaling is not None:  # vLLM holds B * (alpha / rank), float32, as computed here
+            expected = {name: t.float() * self.lora_scaling if name.endswith(".lora_B.weight")
+                        else t for name, t in expected.items()}
         read_back = await generators.read_hf_weights.call()
         bad = sorted({name for _, weights in read_back.items()
                       for name in weight_mismatches(expected, weights, tied=tied)})
