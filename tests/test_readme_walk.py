@@ -41,6 +41,8 @@ NOT_OPENED: dict[str, str] = {
     "torchtitan_rl.trainer.batch_log": "a debug log (trainer.debug_batch_log)",
     "torchtitan_rl.trainer.kl": "the KL term (trainer.loss.kl_coef > 0)",
     "torchtitan_rl.trainer.critic": "PPO's critic (trainer.critic.enabled)",
+    "torchtitan_rl.trainer.lora": "LoRA adapters (trainer.lora.enabled)",
+    "torchtitan_rl.weight_sync.lora_pull": "an adapter push (trainer.lora.push)",
     "torchtitan_rl.rollout.task_errors": "what a failing task is told (error paths)",
     "torchtitan_rl.models": "the model, built once; its HF names for the push",
     # other settings than the main job's
