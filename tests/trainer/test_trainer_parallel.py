@@ -1,4 +1,5 @@
-"""Two gloo ranks (FSDP dp_shard=2, or TP=2) give the loss, gradients and updated weights of one rank."""
+"""Two gloo ranks (FSDP dp_shard=2, or TP=2) give the loss, gradients and updated weights of one rank,
+training the whole model and training LoRA adapters."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.multiprocessing as mp
 
 from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
 from torchtitan_rl.trainer.core import PolicyTrainerCore
+from torchtitan_rl.trainer.lora import LoRA
 from torchtitan_rl.types import TrainingSample
 
 pytestmark = pytest.mark.slow  # two torch.multiprocessing trainer ranks
@@ -42,8 +44,10 @@ def _samples(num: int, seed: int = 0) -> list[TrainingSample]:
     return samples
 
 
-def _config(**parallel) -> PolicyTrainerCore.Config:
-    config = PolicyTrainerCore.Config(max_grad_norm=1e9, num_threads=1, **parallel)
+def _config(lora_rank: int = 0, **parallel) -> PolicyTrainerCore.Config:
+    config = PolicyTrainerCore.Config(
+        max_grad_norm=1e9, num_threads=1,
+        lora=LoRA.Config(enabled=lora_rank > 0, rank=max(lora_rank, 1)), **parallel)
     config.optimizer.lr = 1e-3
     # Adam turns float noise on near-zero gradients into +-lr steps; a large eps keeps the
     # update proportional to the gradient so weights can be compared after the step.
@@ -55,7 +59,7 @@ def _step(core: PolicyTrainerCore, batch: TrainingBatch) -> dict:
     metrics = core.forward_backward(batch)
     grads = {
         name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-        for name, p in core.model.named_parameters()
+        for name, p in core.model.named_parameters() if p.grad is not None
     }
     core.optim_step()
     return {"metrics": metrics, "grads": grads, "weights": core.full_model_state_dict()}
@@ -70,6 +74,9 @@ def _worker(rank: int, world: int, port: int, model_dir: str, parallel: dict, ou
     batch = Batcher.Config(seq_len=48).build(dp_size=core.dp_size).pack(_samples(8))
     result = _step(core, batch)
     core.save_checkpoint(pathlib.Path(out).parent / "ckpt", extra={"ranks": world})
+    # LoRA adapters (trainer.lora) on the same ranks, in the same process group
+    lora = _config(lora_rank=8, **parallel).build(model_dir=model_dir)
+    result["lora"] = _step(lora, batch)
     if rank == 0:
         torch.save(result, out)
     torch.distributed.destroy_process_group()
@@ -91,12 +98,21 @@ def _run_two_ranks(model_dir: pathlib.Path, parallel: dict, tmp_path: pathlib.Pa
 
 
 def _single_rank(model_dir: pathlib.Path) -> dict:
-    core = _config().build(model_dir=model_dir)
     batch = Batcher.Config(seq_len=48).build(dp_size=1).pack(_samples(8))
-    return _step(core, batch)
+    result = _step(_config().build(model_dir=model_dir), batch)
+    result["lora"] = _step(_config(lora_rank=8).build(model_dir=model_dir), batch)
+    return result
 
 
 def _assert_same_step(two: dict, one: dict) -> None:
+    """The plain step, and the LoRA step: the frozen base gets no gradient, the adapters the
+    gradients of one rank, and the merged weights are one rank's."""
+    _assert_same_plain_step(two, one)
+    assert set(one["lora"]["grads"]) == set(LoRA.adapter_state_dict(one["lora"]["grads"]))
+    _assert_same_plain_step(two["lora"], one["lora"])
+
+
+def _assert_same_plain_step(two: dict, one: dict) -> None:
     for key in ("loss/value", "loss/ratio_mean", "loss/entropy_mean", "loss/num_valid_tokens",
                 "loss/generator_logprob_nan_frac", "loss/trainer_generator_abs_logprob_diff_max"):
         assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=1e-6), key
@@ -131,3 +147,4 @@ def test_trainer_tp2_gives_the_loss_and_gradients_of_one_rank(tmp_path):
         model_dir, {"tensor_parallel_degree": 2, "data_parallel_shard_degree": 1}, tmp_path
     )
     _assert_same_step(two, _single_rank(model_dir))
+
