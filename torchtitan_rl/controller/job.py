@@ -163,10 +163,6 @@ class RLJob(Configurable):
             if c.generator.engine != "vllm":
                 raise ConfigError(f"trainer.lora.push = 'adapter' needs generator.engine 'vllm' "
                                   f"(got {c.generator.engine!r}); use trainer.lora.push = 'merged'")
-            if c.generator.tensor_parallel_degree != 1 or any(d != 1 for d in
-                                                               c.generator_tensor_parallel_degrees):
-                raise ConfigError("trainer.lora.push = 'adapter' is tried with generator "
-                                  "tensor_parallel_degree 1 only; use trainer.lora.push = 'merged'")
             generator = dataclasses.replace(generator, lora_rank=lora.rank, lora_alpha=lora.alpha)
         degrees = c.generator_tensor_parallel_degrees
         if degrees and len(degrees) != c.num_generators:

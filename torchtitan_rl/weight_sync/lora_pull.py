@@ -21,8 +21,9 @@ a new request off blocks that older adapters computed. A ``LoRARequest`` must ca
 never read, because the adapter is installed (and pinned against eviction) before any request
 names it.
 
-Tensor parallel 1 (``Generator.read_hf_weights`` reads full tensors; the engine's ``set_lora`` would
-slice full tensors per rank, untested here). vLLM is imported inside functions.
+Tensor parallel: every rank installs the full adapters and vLLM's ``set_lora`` slices them for its
+shard; the read-back is TP 1 only (``Generator.read_hf_weights``). vLLM is imported inside
+functions.
 """
 
 from __future__ import annotations
