@@ -6,8 +6,12 @@
                                                       Linears become LoRALinear, all else frozen
       model = build(model_config); lora.init_adapters(model, seed)
       optimizer over lora.trainable_parameters(model) at lora.learning_rate(optimizer lr)
-    each push / verify / export:
-      lora.merged_state_dict(full state dict)         W + (alpha / rank) * B @ A under W's name
+    each push / verify (core.pushed_state_dict):
+      push = "adapter": lora.adapter_state_dict(...)  the adapters alone (weight_sync/lora_pull.py
+                                                      installs them in vLLM's LoRA slot)
+      push = "merged":  lora.merged_state_dict(...)   W + (alpha / rank) * B @ A under W's name
+    checkpoint: the adapters and their AdamW state, with the base weights' digest (checkpoint.py)
+    export: lora.merged_state_dict (an HF model) or lora.write_peft_adapter (a PEFT directory)
 
 A LoRA Linear computes ``W x + (alpha / rank) * B A x`` (Hu et al. 2021, "LoRA: Low-Rank
 Adaptation of Large Language Models"), with ``A`` [rank, in] drawn like a Linear's weight and ``B``
