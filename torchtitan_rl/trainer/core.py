@@ -5,7 +5,8 @@
         core.forward_backward_samples(samples, batcher)  # every rank packs the same grid, runs
                                        # its column (forward_backward(batch)); grads accumulate
         core.optim_step()              # clip, AdamW, policy_version += 1
-    core.full_model_state_dict()       # collective: plain full tensors (weight push)
+    core.pushed_state_dict()           # collective: plain full tensors a push sends (the
+                                       # weights; with LoRA's adapter push, the adapters)
     core.save_checkpoint(dir, extra) / core.load_checkpoint(dir) / core.export_hf(dir)
 
 Collectives: forward_backward and optim_step run FSDP/TP collectives and all-reduce metrics over
