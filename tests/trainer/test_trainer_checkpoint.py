@@ -7,27 +7,10 @@ import pathlib
 import pytest
 import torch
 
-from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
+from tests.trainer.trainer_testlib import random_batch
 from torchtitan_rl.trainer.core import PolicyTrainerCore
-from torchtitan_rl.types import TrainingSample
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _batch(seed: int) -> TrainingBatch:
-    gen = torch.Generator().manual_seed(seed)
-    samples = []
-    for i in range(4):
-        n = 12
-        samples.append(TrainingSample(
-            sample_id=f"group=0/rollout={i}/branch=0", group_id=0,
-            token_ids=torch.randint(3, 1000, (n,), generator=gen).tolist(),
-            loss_mask=[0] * 4 + [1] * 8,
-            generator_logprobs=[0.0] * 4 + (-3 * torch.rand(8, generator=gen)).tolist(),
-            advantages=[0.0] * 4 + [1.0 if i % 2 else -1.0] * 8,
-            policy_versions=[-1] * 4 + [0] * 8,
-        ))
-    return Batcher.Config(seq_len=32).build().pack(samples)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +30,7 @@ def test_trainer_checkpoint_resume_repeats_the_uninterrupted_run_bit_for_bit(mod
     straight = _core(model_dir)
     losses = []
     for step in range(3):
-        losses.append(straight.forward_backward(_batch(step))["loss/value"])
+        losses.append(straight.forward_backward(random_batch(step))["loss/value"])
         lr = straight.optim_step()["trainer/lr"]
         if step == 1:
             straight.save_checkpoint(tmp_path / "step2", extra={"cursor": 7, "name": "x"})
@@ -57,7 +40,7 @@ def test_trainer_checkpoint_resume_repeats_the_uninterrupted_run_bit_for_bit(mod
     extra = resumed.load_checkpoint(tmp_path / "step2")
     assert extra == {"cursor": 7, "name": "x"}
     assert resumed.policy_version == 2
-    metrics = resumed.forward_backward(_batch(2))
+    metrics = resumed.forward_backward(random_batch(2))
     assert resumed.optim_step()["trainer/lr"] == lr
     assert metrics["loss/value"] == losses[2]
     expected = straight.model.state_dict()
@@ -77,7 +60,7 @@ def test_trainer_export_hf_reloads_as_the_same_weights(model_dir, tmp_path):
     from torchtitan_rl.models.qwen3 import load_hf_state_dict
 
     core = _core(model_dir)
-    core.forward_backward(_batch(0))
+    core.forward_backward(random_batch(0))
     core.optim_step()
     core.export_hf(tmp_path / "hf")
     exported = load_hf_state_dict(tmp_path / "hf")

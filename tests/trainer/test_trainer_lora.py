@@ -8,10 +8,9 @@ import pathlib
 import pytest
 import torch
 
-from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
+from tests.trainer.trainer_testlib import random_batch
 from torchtitan_rl.trainer.core import PolicyTrainerCore
 from torchtitan_rl.trainer.lora import LoRA
-from torchtitan_rl.types import TrainingSample
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -21,21 +20,6 @@ def model_dir():
     from torchtitan_rl.assets.make_model import ensure_model
 
     return ensure_model("tiny", REPO_ROOT / "assets" / "models").resolve()
-
-
-def _batch(seed: int) -> TrainingBatch:
-    gen = torch.Generator().manual_seed(seed)
-    samples = []
-    for i in range(4):
-        n = 12
-        samples.append(TrainingSample(
-            sample_id=f"group=0/rollout={i}/branch=0", group_id=0,
-            token_ids=torch.randint(3, 1000, (n,), generator=gen).tolist(),
-            loss_mask=[0] * 4 + [1] * 8,
-            generator_logprobs=[0.0] * 4 + (-3 * torch.rand(8, generator=gen)).tolist(),
-            advantages=[0.0] * 4 + [1.0 if i % 2 else -1.0] * 8, policy_versions=[-1] * 4 + [0] * 8,
-        ))
-    return Batcher.Config(seq_len=32).build().pack(samples)
 
 
 def _core(model_dir, **lora) -> PolicyTrainerCore:
@@ -58,7 +42,7 @@ def test_only_the_adapters_train_and_the_merged_weights_compute_the_same(model_d
     # B starts at zero: the merged weights are the base's exactly
     assert all(torch.equal(t, before[name]) for name, t in core.full_model_state_dict().items())
 
-    batch = _batch(0)
+    batch = random_batch(0)
     for _ in range(2):
         core.forward_backward(batch)
         metrics = core.optim_step()
@@ -86,7 +70,7 @@ def test_only_the_adapters_train_and_the_merged_weights_compute_the_same(model_d
 
 def test_a_checkpoint_resumes_the_adapters_bit_for_bit(model_dir, tmp_path) -> None:
     straight = _core(model_dir)
-    batch = _batch(1)
+    batch = random_batch(1)
     straight.forward_backward(batch)
     straight.optim_step()
     straight.save_checkpoint(tmp_path / "step1", extra={})
@@ -147,7 +131,7 @@ def test_the_peft_export_loads_in_peft_and_computes_the_merged_exports_logits(
     from transformers import AutoModelForCausalLM
 
     core = _core(model_dir, rank=8, alpha=16.0)
-    batch = _batch(2)
+    batch = random_batch(2)
     for _ in range(2):
         core.forward_backward(batch)
         core.optim_step()
@@ -172,7 +156,7 @@ def test_the_peft_export_loads_in_peft_and_computes_the_merged_exports_logits(
 
 def test_adapter_dropout_draws_only_while_training(model_dir) -> None:
     core = _core(model_dir, dropout=0.5)
-    batch = _batch(3)
+    batch = random_batch(3)
     core.forward_backward(batch)
     core.optim_step()
     core.forward_backward(batch)

@@ -62,13 +62,7 @@ def pushed(tmp_path_factory):
     from torchtitan_rl.assets.make_model import ensure_model
 
     model_dir = ensure_model("tiny", REPO_ROOT / "assets" / "models").resolve()
-    config = PolicyTrainerCore.Config(num_threads=1)
-    config.optimizer.lr = 0.05
-    core = config.build(model_dir=model_dir)
-    batch = Batcher.Config(seq_len=32).build().pack([_sample(p + [11, 12, 13, 14], 1.0) for p in PROMPTS])
-    for _ in range(2):
-        core.forward_backward(batch)
-        core.optim_step()
+    core = _trained(PolicyTrainerCore.Config(num_threads=1), model_dir, lr=0.05, steps=2)
     hf_sd = core.hf_state_dict()
     export_dir = tmp_path_factory.mktemp("export")
     core.export_hf(export_dir)
@@ -79,6 +73,19 @@ def pushed(tmp_path_factory):
     engine.reset_prefix_cache()
     return {"core": core, "hf_sd": hf_sd, "engine": engine, "fresh": _engine(export_dir),
             "before": before, "model_dir": model_dir}
+
+
+def _trained(config: PolicyTrainerCore.Config, model_dir: pathlib.Path, *, lr: float,
+             steps: int) -> PolicyTrainerCore:
+    """A trainer moved off its initial weights: ``steps`` updates on the prompts continued."""
+    config.optimizer.lr = lr
+    core = config.build(model_dir=model_dir)
+    batch = Batcher.Config(seq_len=32).build().pack(
+        [_sample(p + [11, 12, 13, 14], 1.0) for p in PROMPTS])
+    for _ in range(steps):
+        core.forward_backward(batch)
+        core.optim_step()
+    return core
 
 
 def _sample(tokens: list[int], advantage: float, prompt_len: int | None = None,
@@ -158,14 +165,9 @@ def test_an_adapter_push_generates_like_a_fresh_engine_of_the_merged_weights(tmp
     from torchtitan_rl.weight_sync.lora_pull import AdapterPuller
 
     model_dir = ensure_model("tiny", REPO_ROOT / "assets" / "models").resolve()
-    config = PolicyTrainerCore.Config(num_threads=1,
-                                      lora=LoRA.Config(enabled=True, rank=8, alpha=16.0))
-    config.optimizer.lr = 0.01
-    core = config.build(model_dir=model_dir)
-    batch = Batcher.Config(seq_len=32).build().pack([_sample(p + [11, 12, 13, 14], 1.0) for p in PROMPTS])
-    for _ in range(3):
-        core.forward_backward(batch)
-        core.optim_step()
+    core = _trained(PolicyTrainerCore.Config(
+        num_threads=1, lora=LoRA.Config(enabled=True, rank=8, alpha=16.0)), model_dir,
+        lr=0.01, steps=3)
     core.export_hf(tmp_path / "merged")
     adapters = core.pushed_state_dict()
     assert adapters and all(".lora_" in name for name in adapters)

@@ -160,10 +160,12 @@ class RLJob(Configurable):
         generator = dataclasses.replace(c.generator, model_dir=str(model_dir), seed=c.seed)
         lora = c.trainer.lora
         if lora.enabled and lora.push == "adapter":  # the engines serve the pushed adapters
-            if c.generator.engine != "vllm":
-                raise ConfigError(f"trainer.lora.push = 'adapter' needs generator.engine 'vllm' "
-                                  f"(got {c.generator.engine!r}); use trainer.lora.push = 'merged'")
-            generator = dataclasses.replace(generator, lora_rank=lora.rank, lora_alpha=lora.alpha)
+            try:
+                generator = dataclasses.replace(generator, lora_rank=lora.rank,
+                                                lora_alpha=lora.alpha)
+            except ValueError as e:
+                raise ConfigError(f"trainer.lora.push = 'adapter': {e}; or use "
+                                  "trainer.lora.push = 'merged'") from None
         degrees = c.generator_tensor_parallel_degrees
         if degrees and len(degrees) != c.num_generators:
             raise ConfigError(f"generator_tensor_parallel_degrees has {len(degrees)} entries for "

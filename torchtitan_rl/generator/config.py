@@ -174,8 +174,8 @@ class GeneratorConfig(Configurable.Config):
             raise ValueError(f"lora_rank must be >= 0 and lora_alpha > 0 with it, got "
                              f"{self.lora_rank}, {self.lora_alpha}")
         if self.lora_rank and self.engine != "vllm":
-            raise ValueError(f"lora_rank (an adapter push) needs engine 'vllm', got "
-                             f"{self.engine!r}")
+            raise ValueError(f"an adapter push (lora_rank > 0) needs generator.engine 'vllm', "
+                             f"got {self.engine!r}")
         if self.stand_in_tokens_per_s <= 0:
             raise ValueError(
                 f"stand_in_tokens_per_s must be > 0, got {self.stand_in_tokens_per_s}")

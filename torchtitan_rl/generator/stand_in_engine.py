@@ -192,9 +192,11 @@ class StandInEngine:
         self.num_reloaded_bytes = 0
 
     # ---- requests --------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: dict[str, Any], params: Any) -> None:
+    def add_request(self, request_id: str, prompt: dict[str, Any], params: Any,
+                    lora_request: Any = None) -> None:
         """``params``: the request's ``Sampling`` or vLLM ``SamplingParams`` (max_tokens, seed,
-        stop_token_ids are read)."""
+        stop_token_ids are read). ``lora_request`` is always None: a stand-in serves no
+        adapters (``Generator.Config.lora_rank`` needs vLLM)."""
         if request_id in self._running:
             raise ValueError(f"request id {request_id!r} is already running")
         prompt_ids = list(prompt["prompt_token_ids"])

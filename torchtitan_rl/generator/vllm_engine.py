@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -55,6 +56,7 @@ def build_engine(config: EngineSpec) -> LLMEngine:
     ``external_launcher`` backend then runs one worker in this process and joins the others."""
     set_vllm_env_defaults()
     from vllm import EngineArgs, LLMEngine
+    from vllm.config.lora import MaxLoRARanks
 
     if config.model_dir is None:
         raise ValueError("generator model_dir must be set (an HF model directory), got None")
@@ -78,10 +80,10 @@ def build_engine(config: EngineSpec) -> LLMEngine:
         # Admission order must equal the broadcast order on every rank.
         scheduling_policy="fcfs",
         seed=config.seed,
-        # One adapter slot: the pushed policy's (weight_sync/lora_pull.py). vLLM reserves ranks
-        # 1, 8, 16, 32, ... and pads a smaller adapter with zeros.
+        # One adapter slot: the pushed policy's (weight_sync/lora_pull.py). vLLM reserves the
+        # ranks of MaxLoRARanks (1, 8, 16, 32, ...) and pads a smaller adapter with zeros.
         **({"enable_lora": True, "max_loras": 1,
-            "max_lora_rank": min(r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512)
+            "max_lora_rank": min(r for r in typing.get_args(MaxLoRARanks)
                                  if r >= config.lora_rank)} if config.lora_rank else {}),
     )
     if config.enforce_eager:
@@ -188,10 +190,7 @@ def add_request(engine: LLMEngine, request: EngineRequest, cache_salt: str | Non
     # An engine that reads ``Sampling`` as it is (the stand-in) is spared importing vLLM.
     params = (request.sampling if getattr(engine, "accepts_sampling", False)
               else sampling_params(request.sampling))
-    if lora_request is None:
-        engine.add_request(request.request_id, engine_input, params)
-    else:
-        engine.add_request(request.request_id, engine_input, params, lora_request=lora_request)
+    engine.add_request(request.request_id, engine_input, params, lora_request=lora_request)
 
 
 def partial_output(engine: LLMEngine, request_id: str) -> RequestOutput | None:

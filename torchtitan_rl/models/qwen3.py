@@ -314,6 +314,7 @@ def _adapter(model_config: Qwen3Model.Config) -> Qwen3StateDictAdapter:
 
 LORA_KINDS = {"lora_a": "lora_A", "lora_b": "lora_B"}
 """torchtitan's LoRA entry names (``...wq.lora_a.weight``) -> PEFT's (``...q_proj.lora_A.weight``)."""
+_LORA_SUFFIXES = tuple(f".{kind}.weight" for kind in LORA_KINDS)
 
 
 def hf_state_dict_from_torchtitan(
@@ -324,8 +325,7 @@ def hf_state_dict_from_torchtitan(
     entries (trainer/lora.py) take PEFT's names under their module's HF name:
     ``model.layers.0.self_attn.q_proj.lora_A.weight``."""
     adapter = _adapter(model_config)
-    lora = {name: t for name, t in state_dict.items()
-            if name.endswith((".lora_a.weight", ".lora_b.weight"))}
+    lora = {name: t for name, t in state_dict.items() if name.endswith(_LORA_SUFFIXES)}
     hf = adapter.to_hf({name: t for name, t in state_dict.items() if name not in lora})
     for name, tensor in lora.items():
         module, kind, _ = name.rsplit(".", 2)
@@ -380,7 +380,7 @@ def build_qwen3_from_hf(
     state_dict = torchtitan_state_dict_from_hf(load_hf_state_dict(model_dir), config)
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     # LoRA adapters (trainer/lora.py) are not in an HF checkpoint: they start from their init.
-    missing = [name for name in missing if not name.endswith((".lora_a.weight", ".lora_b.weight"))]
+    missing = [name for name in missing if not name.endswith(_LORA_SUFFIXES)]
     if unexpected or missing:
         raise ValueError(
             f"{model_dir}: weights do not match the model config: missing={missing}, "

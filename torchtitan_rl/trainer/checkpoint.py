@@ -126,9 +126,8 @@ def load_checkpoint(
 def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, frozen_base: bool
                  ) -> tuple[dict[str, Any], dict[str, Any]]:
     """DCP's model and optimizer state dicts; with a frozen base, the trainable parameters only
-    (torch's ``ignore_frozen_params`` keeps a tied frozen weight's second name)."""
-    model_sd, optim_sd = get_state_dict(
-        model, optimizer, options=StateDictOptions(ignore_frozen_params=frozen_base))
+    (by name: torch's ``ignore_frozen_params`` keeps a tied frozen weight's second name)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
     if frozen_base:
         trainable = {name for name, p in model.named_parameters(remove_duplicate=False)
                      if p.requires_grad}

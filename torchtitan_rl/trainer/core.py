@@ -24,10 +24,8 @@ controller imports this module for its ``Config`` and would pay seconds for them
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
-import pathlib
 import time
 from typing import Any, Literal
 
@@ -476,7 +474,7 @@ class PolicyTrainerCore(Configurable):
     # ---- helpers ----------------------------------------------------------------------------
 
     def _base_digest(self) -> str | None:
-        """With LoRA, what the frozen base is: sha256 of its weight files (or the flavor and
+        """With LoRA, what the frozen base is: sha256 of its model directory (or the flavor and
         seed of a random one); None without LoRA."""
         if self.lora is None:
             return None
@@ -484,12 +482,9 @@ class PolicyTrainerCore(Configurable):
             if self.config.flavor:
                 self._weights_digest = f"flavor={self.config.flavor}/seed={self.config.seed}"
             else:
-                digest = hashlib.sha256()
-                for file in sorted(pathlib.Path(self.model_dir).glob("*.safetensors")):
-                    with open(file, "rb") as f:
-                        for block in iter(lambda: f.read(1 << 24), b""):
-                            digest.update(block)
-                self._weights_digest = digest.hexdigest()
+                from torchtitan_rl.assets.make_model import directory_digest
+
+                self._weights_digest = directory_digest(self.model_dir)
         return self._weights_digest
 
     def _build_model(self, value_head: bool = False) -> torch.nn.Module:

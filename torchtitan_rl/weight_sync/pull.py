@@ -45,6 +45,7 @@ vLLM is imported inside functions: this module is safe to import from config and
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import pathlib
@@ -181,12 +182,9 @@ def hf_named(tensors: dict[str, torch.Tensor], model_dir: str | pathlib.Path, *,
              tied: bool) -> dict[str, torch.Tensor]:
     """``tensors`` (torchtitan names of the Qwen3 model of ``model_dir``, LoRA entries included)
     under HF names; a name the model does not have fails (a tied ``lm_head.weight`` is dropped)."""
-    from torchtitan_rl.models.qwen3 import (
-        hf_state_dict_from_torchtitan,
-        torchtitan_qwen3_config,
-    )
+    from torchtitan_rl.models.qwen3 import hf_state_dict_from_torchtitan
 
-    model_config = torchtitan_qwen3_config(model_dir)
+    model_config = _torchtitan_config(str(model_dir))
     hf: dict[str, torch.Tensor] = {}
     unknown: list[str] = []
     # One name at a time: the adapter silently drops names it does not know.
@@ -346,6 +344,14 @@ def load_hf_weights_in_place(
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4)
+def _torchtitan_config(model_dir: str) -> Any:
+    """The torchtitan config of an HF model directory, read once per directory (names only)."""
+    from torchtitan_rl.models.qwen3 import torchtitan_qwen3_config
+
+    return torchtitan_qwen3_config(model_dir)
+
+
 def _is_hf_name(name: str) -> bool:
     return name.startswith("model.") or name.startswith("lm_head.")
 
