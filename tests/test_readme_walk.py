@@ -42,6 +42,7 @@ NOT_OPENED: dict[str, str] = {
     "torchtitan_rl.trainer.kl": "the KL term (trainer.loss.kl_coef > 0)",
     "torchtitan_rl.trainer.critic": "PPO's critic (trainer.critic.enabled)",
     "torchtitan_rl.trainer.lora": "LoRA adapters (trainer.lora.enabled)",
+    "torchtitan_rl.assets.make_model": "the base model's digest (a LoRA checkpoint)",
     "torchtitan_rl.weight_sync.lora_pull": "an adapter push (trainer.lora.push)",
     "torchtitan_rl.rollout.task_errors": "what a failing task is told (error paths)",
     "torchtitan_rl.models": "the model, built once; its HF names for the push",

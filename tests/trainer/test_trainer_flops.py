@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.trainer.test_trainer_checkpoint import _batch, model_dir  # noqa: F401 (fixture)
+from tests.trainer.test_trainer_checkpoint import model_dir  # noqa: F401 (fixture)
+from tests.trainer.trainer_testlib import random_batch
 from torchtitan_rl.trainer.core import PolicyTrainerCore
 from torchtitan_rl.trainer.flops import flops_per_token, measure_peak_flops
 
@@ -29,7 +30,7 @@ def test_each_step_reports_mfu_against_the_measured_peak(model_dir):  # noqa: F8
     core = PolicyTrainerCore.Config(num_threads=1).build(model_dir=model_dir)
     peak = core.utilization.peak_flops  # measured when the trainer is built, before any step
     assert peak > 0
-    core.forward_backward(_batch(0))
+    core.forward_backward(random_batch(0))
     metrics = core.optim_step()
     assert core.utilization.peak_flops == peak  # once, not again at the first step
     assert metrics["trainer/peak_tflops"] == pytest.approx(peak / 1e12)
