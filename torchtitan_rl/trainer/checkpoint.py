@@ -7,7 +7,7 @@ Layout of a DCP checkpoint directory (one per step, written by every trainer ran
     optimizer.*        AdamW exp_avg / exp_avg_sq / step per parameter
     trainer.step       int: optimizer steps done (= policy_version)
     trainer.extra_json str: the controller's ``extra`` dict as JSON (cursor, counters, ...)
-    trainer.base_digest str, with a frozen base only: the base weights' digest (a resume on
+    trainer.base_digest str, with a frozen base only: the base model directory's digest (a resume on
                        another base would load the adapters onto weights they were not trained on)
 
 Loading never unpickles arbitrary objects: tensors come through DCP's weights_only reader and the

@@ -10,7 +10,7 @@
       push = "adapter": lora.adapter_state_dict(...)  the adapters alone (weight_sync/lora_pull.py
                                                       installs them in vLLM's LoRA slot)
       push = "merged":  lora.merged_state_dict(...)   W + (alpha / rank) * B @ A under W's name
-    checkpoint: the adapters and their AdamW state, with the base weights' digest (checkpoint.py)
+    checkpoint: the adapters and their AdamW state, with the base model's digest (checkpoint.py)
     export: lora.merged_state_dict (an HF model) or lora.write_peft_adapter (a PEFT directory)
 
 A LoRA Linear computes ``W x + (alpha / rank) * B A x`` (Hu et al. 2021, "LoRA: Low-Rank
