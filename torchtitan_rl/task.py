@@ -32,6 +32,11 @@ class TaskConfig(Configurable.Config):
     """Base of every task's Config. In a TOML file, ``type`` names the task class."""
 
     polymorphic: ClassVar[bool] = True
+    short_type_names: ClassVar[dict[str, str]] = {
+        "reasoning_gym": "torchtitan_rl.envs.reasoning_gym:ReasoningGymTask",
+        "textarena": "torchtitan_rl.envs.textarena:TextArenaTask",
+    }
+    """``type`` values that name the tasks this package ships (docs/environments.md)."""
     warm_start_independent_fields: ClassVar[tuple[str, ...]] = ()
     """Settings that do not change the training split's solved conversations (validation-only or
     reward-only ones): changing them keeps a cached warm start."""

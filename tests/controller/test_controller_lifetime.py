@@ -157,7 +157,8 @@ def test_sigterm_while_the_model_is_made_stops_the_run_before_anything_is_spawne
             if record.getMessage().startswith("stopping: SIGTERM"):
                 handled.set()
 
-    def make_model_signalled_midway(size: str, out_dir, *, seed: int = 0) -> pathlib.Path:
+    def make_model_signalled_midway(size: str, out_dir, *, seed: int = 0,
+                                    corpus=None) -> pathlib.Path:
         os.kill(os.getpid(), signal.SIGTERM)
         # A real model takes seconds to make: the run has seen the signal before it is done.
         # Here the rest is a copy of milliseconds, so it waits for the run to see it first.

@@ -115,7 +115,7 @@ def test_shared_pins_suit_both_vllm_builds() -> None:
 
 def test_setup_env_installs_the_cpu_extra() -> None:
     script = (REPO_ROOT / "scripts" / "setup_env.sh").read_text()
-    assert re.findall(r'^extras="([^"]*)"$', script, re.MULTILINE) == ["cpu,test,trackers,trackio"]
+    assert re.findall(r'^extras="([^"]*)"$', script, re.MULTILINE) == ["cpu,test,trackers,trackio,envs"]
     assert re.findall(r'-e "\$root\[([^\]]*)\]"', script) == ["$extras"]  # uv's or pip's
 
 

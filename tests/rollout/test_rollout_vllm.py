@@ -188,3 +188,95 @@ def test_rollout_vllm_group_is_reproducible_by_seed(
         t.completion_logprobs for r in again.rollouts for t in r.turns]
     # siblings differ from one another (distinct per-request seeds, same prompt)
     assert len({str(x) for x in tokens(first)}) > 1
+
+
+def test_rollout_vllm_plays_a_textarena_game(engine: Any) -> None:
+    """A textarena game (envs/textarena.py) played by the tiny model through Rollouter, TokenEnv and
+    the real engine: the game's rules open the chat, each move gets the game's own answer (a hint
+    or its invalid-move message) as the next user turn, and the game's check and reward are the
+    reward parts; the samples hold the generated tokens as for any task."""
+    from torchtitan_rl.envs.textarena import TextArenaTask
+
+    task = TextArenaTask.Config(env_kwargs={"max_turns": 3}).build()
+    rollouter = Rollouter.Config(group_size=GROUP_SIZE, max_turns=6, max_rollout_tokens=480,
+                                 drop_zero_std_groups=False, seed=7).build(
+        tokenizer=tiny_tokenizer(), make_env=task.make_env)
+    gen = EngineGenerate(engine)
+
+    async def main() -> RolloutGroup:
+        server = asyncio.create_task(gen.serve())
+        try:
+            return await rollouter.run_group_rollouts(
+                gen, task.dataset("train")[0], 11,
+                sampling=Sampling(max_tokens=8, temperature=1.0, stop_token_ids=STOP_TOKEN_IDS))
+        finally:
+            server.cancel()
+
+    group = run(main(), timeout_s=300.0)
+    assert all(not r.status.is_error for r in group.rollouts), [r.error for r in group.rollouts]
+    turns = [t for r in group.rollouts for t in r.turns]
+    assert len(turns) > GROUP_SIZE  # the game went on after the first move
+    tokenizer = tiny_tokenizer()
+    for rollout in group.rollouts:
+        assert "Guess The Number" in tokenizer.decode(rollout.turns[0].prompt_token_ids)
+    stepped = [t for t in turns if t.reward_parts]
+    assert stepped and all(t.reward_parts["valid_move"] in (0.0, 1.0) for t in stepped)
+    for turn in stepped:
+        if turn.env_messages:  # the game's answer to this move: a hint or a refusal
+            text = turn.env_messages[0]["content"]
+            assert "higher" in text or "lower" in text or "invalid move" in text.lower(), text
+    for rollout in group.rollouts:  # the game's reward when it ended, else 0
+        ended = [t.reward_parts["game_reward"] for t in rollout.turns
+                 if "game_reward" in t.reward_parts]
+        assert rollout.reward == (ended[0] if ended else 0.0)
+    samples = rollout_group_to_training_samples(group)
+    assert sum(sum(s.loss_mask) for s in samples) == sum(r.num_output_tokens
+                                                         for r in group.rollouts)
+
+
+def test_rollout_vllm_answers_reasoning_gym_questions_turn_after_turn(engine: Any) -> None:
+    """reasoning-gym (envs/reasoning_gym.py) played by the tiny model through Rollouter, TokenEnv
+    and the real engine, two turns of a two-dataset mix: each turn's prompt is the next
+    question, and each turn's reward part is reasoning-gym's own score of that reply."""
+    from reasoning_gym.composite import CompositeConfig, CompositeDataset
+    from reasoning_gym.composite import DatasetSpec as GymSpec
+
+    from torchtitan_rl.envs.reasoning_gym import DatasetSpec, ReasoningGymTask
+
+    specs = [DatasetSpec(name="spell_backward", config={"min_word_len": 3, "max_word_len": 5}),
+             DatasetSpec(name="chain_sum")]
+    task = ReasoningGymTask.Config(datasets=specs, turns=2, num_train_episodes=8).build()
+    rollouter = Rollouter.Config(group_size=GROUP_SIZE, max_turns=2, max_rollout_tokens=256,
+                                 drop_zero_std_groups=False, seed=3).build(
+        tokenizer=tiny_tokenizer(), make_env=task.make_env)
+    gen = EngineGenerate(engine)
+    episode = task.dataset("train")[1]
+
+    async def main() -> RolloutGroup:
+        server = asyncio.create_task(gen.serve())
+        try:
+            return await rollouter.run_group_rollouts(
+                gen, episode, 12,
+                sampling=Sampling(max_tokens=8, temperature=1.0, stop_token_ids=STOP_TOKEN_IDS))
+        finally:
+            server.cancel()
+
+    group = run(main(), timeout_s=300.0)
+    assert all(not r.status.is_error for r in group.rollouts), [r.error for r in group.rollouts]
+    tokenizer = tiny_tokenizer()
+    scorer = CompositeDataset(CompositeConfig(
+        datasets=[GymSpec(name=s.name, weight=s.weight, config=dict(s.config)) for s in specs],
+        seed=0, size=8))
+    two_turns = [r for r in group.rollouts if len(r.turns) == 2]
+    assert two_turns, "no rollout reached its second question"
+    for rollout in group.rollouts:
+        first = tokenizer.decode(rollout.turns[0].prompt_token_ids)
+        assert episode.entries[0]["question"] in first
+        for turn, entry in zip(rollout.turns, episode.entries):
+            if turn.reward_parts:
+                assert turn.reward_parts["score"] == scorer.score_answer(
+                    turn.completion_text.strip(), entry)
+        assert rollout.reward == sum(t.reward_parts.get("score", 0.0)
+                                     for t in rollout.turns) / 2
+    for rollout in two_turns:
+        assert episode.entries[1]["question"] in tokenizer.decode(rollout.turns[1].prompt_token_ids)

@@ -19,6 +19,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+from collections.abc import Sequence
 
 from torchtitan_rl.assets.permissions import is_private, share_like_umask
 
@@ -65,8 +66,10 @@ MODEL_SIZES: dict[str, ModelSize] = {
 }
 
 
-def make_model(size: str, out_dir: str | os.PathLike, *, seed: int = 0) -> pathlib.Path:
-    """Create the model directory ``out_dir`` (replaced if present) and return its path."""
+def make_model(size: str, out_dir: str | os.PathLike, *, seed: int = 0,
+               corpus: Sequence[str] | None = None) -> pathlib.Path:
+    """Create the model directory ``out_dir`` (replaced if present) and return its path; its
+    tokenizer is trained on ``corpus`` (default: the AlphabetSort text)."""
     import torch
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
     from transformers.generation import GenerationConfig
@@ -80,7 +83,7 @@ def make_model(size: str, out_dir: str | os.PathLike, *, seed: int = 0) -> pathl
     spec = MODEL_SIZES[size]
     out = pathlib.Path(out_dir)
 
-    raw_tokenizer = train_tokenizer(TOKENIZER_VOCAB_SIZE, seed=seed)
+    raw_tokenizer = train_tokenizer(TOKENIZER_VOCAB_SIZE, seed=seed, corpus=corpus)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=raw_tokenizer,
         bos_token=None,
@@ -129,14 +132,14 @@ def make_model(size: str, out_dir: str | os.PathLike, *, seed: int = 0) -> pathl
         tokenizer.save_pretrained(tmp)
         GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id).save_pretrained(tmp)
         (tmp / MAKER_FILE).write_text(json.dumps(
-            {"maker_version": MAKER_VERSION, "size": size, "seed": seed}, indent=2) + "\n")
+            _maker_record(size, seed, corpus), indent=2) + "\n")
         share_like_umask(tmp)  # mkdtemp made it 0700 and safetensors writes 0600
         if out.exists():
             shutil.rmtree(out, ignore_errors=True)
         try:
             tmp.rename(out)
         except OSError:  # another process made it meanwhile: keep theirs when it is current
-            if not _matches_spec(out, spec, size=size, seed=seed):
+            if not _matches_spec(out, spec, size=size, seed=seed, corpus=corpus):
                 raise
     finally:
         if tmp.exists():
@@ -155,16 +158,37 @@ def directory_digest(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def ensure_model(size: str, root: str | os.PathLike = "assets/models", *, seed: int = 0) -> pathlib.Path:
-    """The model directory for ``size`` under ``root``, created on first use."""
-    out = pathlib.Path(root) / (size if seed == 0 else f"{size}-seed{seed}")
+def corpus_digest(corpus: Sequence[str]) -> str:
+    """A short digest of a tokenizer corpus: it names the model directory made from it."""
+    digest = hashlib.sha256()
+    for line in corpus:
+        digest.update(line.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _maker_record(size: str, seed: int, corpus: Sequence[str] | None) -> dict[str, object]:
+    record: dict[str, object] = {"maker_version": MAKER_VERSION, "size": size, "seed": seed}
+    if corpus is not None:
+        record["tokenizer_corpus"] = corpus_digest(corpus)
+    return record
+
+
+def ensure_model(size: str, root: str | os.PathLike = "assets/models", *, seed: int = 0,
+                 corpus: Sequence[str] | None = None) -> pathlib.Path:
+    """The model directory for ``size`` (its tokenizer trained on ``corpus``, default the
+    AlphabetSort text) under ``root``, created on first use."""
+    name = size if seed == 0 else f"{size}-seed{seed}"
+    if corpus is not None:
+        name += f"-corpus{corpus_digest(corpus)}"
+    out = pathlib.Path(root) / name
     out.parent.mkdir(parents=True, exist_ok=True)
     # Runs (and test processes) starting at once on a fresh checkout: one makes the model while
     # the others wait for it, instead of reading a half-written directory.
     with open(out.parent / f".{out.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _matches_spec(out, MODEL_SIZES.get(size), size=size, seed=seed):
-            make_model(size, out, seed=seed)
+        if not _matches_spec(out, MODEL_SIZES.get(size), size=size, seed=seed, corpus=corpus):
+            make_model(size, out, seed=seed, corpus=corpus)
         elif any(is_private(p) for p in (out, *out.glob("*.safetensors"))):
             # made before make_model set the umask's modes (0700 / 0600): readable to others now
             share_like_umask(out)
@@ -173,7 +197,7 @@ def ensure_model(size: str, root: str | os.PathLike = "assets/models", *, seed: 
 
 
 def _matches_spec(model_dir: pathlib.Path, spec: ModelSize | None, *, size: str,
-                  seed: int) -> bool:
+                  seed: int, corpus: Sequence[str] | None = None) -> bool:
     """Whether ``model_dir`` holds what `make_model` makes today for this size and seed: the same
     shape and a current maker version (a cached model made before the size's shape or the
     maker's initialisation changed is remade, not silently reused; warm starts cached on the old
@@ -187,7 +211,7 @@ def _matches_spec(model_dir: pathlib.Path, spec: ModelSize | None, *, size: str,
         config = json.loads(config_file.read_text())
     except (OSError, ValueError):
         return False
-    if maker != {"maker_version": MAKER_VERSION, "size": size, "seed": seed}:
+    if maker != _maker_record(size, seed, corpus):
         return False
     return all(config.get(field.name) == getattr(spec, field.name)
                for field in dataclasses.fields(ModelSize))

@@ -1,8 +1,9 @@
 """A small byte-level BPE chat tokenizer trained offline on the examples' own text.
 
 No hub: the project trains its tokenizer from a corpus it generates (names, the AlphabetSort prompt
-templates, tags, digits, punctuation). Byte-level BPE encodes any text, so the corpus only decides how
-compact the encoding is. The chat template is ChatML, the format Qwen models use.
+templates, tags, digits, punctuation), or from the text of the run's task (`task_corpus`:
+``model.tokenizer_corpus = "task"``). Byte-level BPE encodes any text, so the corpus only decides
+how compact the encoding is. The chat template is ChatML, the format Qwen models use.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import json
 import os
 import pathlib
 import random
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -107,8 +109,28 @@ def training_corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
     return lines
 
 
-def train_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
-    """Train a byte-level BPE with the chat special tokens (ids 0, 1, 2)."""
+def task_corpus(solved_conversation: Callable[[int], Any],
+                num_conversations: int = 2000) -> list[str]:
+    """The text of a task's first solved training conversations, one message (its role, then its
+    content and tool calls as JSON) a line, and the tools they offer: the corpus of a tokenizer
+    that fits the task's own prose (``model.tokenizer_corpus = "task"``)."""
+    lines: list[str] = []
+    for i in range(num_conversations):
+        conversation = solved_conversation(i)
+        if isinstance(conversation, dict):  # {"messages": [...], "tools": [...]}
+            lines += [json.dumps(tool) for tool in conversation.get("tools") or []]
+            conversation = conversation["messages"]
+        for message in conversation:
+            calls = "".join(f"\n<tool_call>\n{json.dumps(call.get('function', call))}\n</tool_call>"
+                            for call in message.get("tool_calls") or [])
+            lines.append(f"{message['role']}\n{message.get('content') or ''}{calls}")
+    return lines
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0,
+                    corpus: Sequence[str] | None = None) -> Tokenizer:
+    """Train a byte-level BPE with the chat special tokens (ids 0, 1, 2) on ``corpus`` (default:
+    `training_corpus`, the AlphabetSort text)."""
     # tokenizers parallelises with rayon; one thread keeps the merge order reproducible.
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
     tokenizer = Tokenizer(models.BPE())
@@ -120,7 +142,8 @@ def train_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(training_corpus(seed=seed), trainer=trainer)
+    tokenizer.train_from_iterator(training_corpus(seed=seed) if corpus is None else corpus,
+                                  trainer=trainer)
     return tokenizer
 
 

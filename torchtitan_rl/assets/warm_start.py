@@ -31,7 +31,10 @@ from torchtitan_rl.console import progress_bar
 
 logger = logging.getLogger(__name__)
 
-Conversation = list[dict[str, str]]
+Conversation = list[dict[str, Any]] | dict[str, Any]
+"""A solved conversation: its messages, or ``{"messages": [...], "tools": [...]}`` for one that
+offers tools (the chat-dataset form TRL's SFT takes): the tools are rendered as the rollouts
+render a request's ``tools``, and assistant messages may hold ``tool_calls``."""
 Example = tuple[list[int], list[int]]
 """(token ids, assistant mask) of one conversation."""
 
@@ -218,8 +221,12 @@ class WarmStart(Configurable):
 def _tokenize_with_assistant_mask(tokenizer: Any, conversation: Conversation,
                                   chat_template_kwargs: Mapping[str, Any] | None = None) -> Example:
     """Token ids of the rendered conversation and a mask that is 1 on assistant replies
-    (their text and end-of-turn token), computed by rendering growing prefixes."""
+    (their text or tool calls and end-of-turn token), computed by rendering growing prefixes."""
     kwargs = dict(chat_template_kwargs or {})
+    if isinstance(conversation, dict):
+        if conversation.get("tools"):
+            kwargs["tools"] = conversation["tools"]
+        conversation = conversation["messages"]
     ids: list[int] = []
     mask: list[int] = []
     for i, message in enumerate(conversation):

@@ -111,6 +111,7 @@ def import_config_class(type_path: Any, base: type, path: str) -> type:
     if not isinstance(type_path, str) or not type_path:
         raise ConfigError(f"{path}: expected an import path 'package.module:Class', got "
                           f"{type_path!r}")
+    type_path = getattr(base, "short_type_names", {}).get(type_path, type_path)
     type_path = current_type_path(type_path)
     module_name, _, qualname = type_path.partition(":")
     if not qualname:

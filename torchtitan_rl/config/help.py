@@ -35,8 +35,9 @@ ROOT_CONFIG = "torchtitan_rl.controller.job:RLJob.Config"
 """The job's root config class, by import path (read from source, never imported for help)."""
 
 TASK_TYPE_DOC = ("The task class, an import path `package.module:Class` whose Config subclasses "
-                 "torchtitan_rl.task.TaskConfig; the task's own options follow it (name one with "
-                 "--task.type or a TOML's [task] type to list them).")
+                 "torchtitan_rl.task.TaskConfig, or a task this package ships: 'reasoning_gym', "
+                 "'textarena' (docs/environments.md); the task's own options follow it (name one "
+                 "with --task.type or a TOML's [task] type to list them).")
 
 
 @dataclasses.dataclass

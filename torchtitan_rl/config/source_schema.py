@@ -276,11 +276,12 @@ class SourceIndex:
         return values
 
     def value(self, module: SourceModule, node: ast.expr) -> Any:
-        """A default written as a literal, arithmetic, a constant, an enum member or a list."""
+        """A default written as a literal, arithmetic, a constant, an enum member or a list (of
+        those, or of config classes called with keywords)."""
         if isinstance(node, ast.Constant):
             return node.value
         if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
-            items = [self.value(module, e) for e in node.elts]
+            items = [self._built(module, e) for e in node.elts]
             return tuple(items) if isinstance(node, ast.Tuple) else items
         if isinstance(node, ast.Dict) and None not in node.keys:
             return {self.value(module, k): self.value(module, v)

@@ -152,7 +152,7 @@ class RLJob(Configurable):
                                   f"instead (got {key}.seed={part.seed})")
         if c.generator.model_dir is not None:
             raise ConfigError("generator.model_dir: set the model once, with model.path")
-        base = c.model.build().resolve()
+        base = c.model.build().resolve(c.task)
         fingerprint = _warm_start_fingerprint(c.task, c.rollouter.enable_thinking)
         model_dir = base
         if c.warm_start.enabled:

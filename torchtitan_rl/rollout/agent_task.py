@@ -51,15 +51,33 @@ logger = logging.getLogger(__name__)
 Agent = Callable[[Any, Any], Awaitable[Any]]
 
 
-def load_agent(path: str) -> Agent:
-    """The async function ``package.module:function`` names (ConfigError naming task.agent)."""
+def _import_function(path: str, key: str) -> Callable[..., Any]:
+    """The function ``package.module:function`` names (ConfigError naming ``key``)."""
     module_name, _, name = path.partition(":")
     if not module_name or not name:
-        raise ConfigError(f"task.agent: 'package.module:function' expected, got {path!r}")
+        raise ConfigError(f"{key}: 'package.module:function' expected, got {path!r}")
     try:
-        function = getattr(importlib.import_module(module_name), name)
+        return getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError) as e:
-        raise ConfigError(f"task.agent = {path!r}: {e}") from e
+        raise ConfigError(f"{key} = {path!r}: {e}") from e
+
+
+def load_demonstration(path: str) -> Callable[[Any], Any]:
+    """The function ``demonstration(episode)`` that ``path`` names (ConfigError naming
+    task.demonstration)."""
+    function = _import_function(path, "task.demonstration")
+    try:
+        inspect.signature(function).bind("episode")
+    except TypeError as e:
+        raise ConfigError(f"task.demonstration = {path!r}: it must take (episode): {e}") from e
+    if inspect.iscoroutinefunction(function):
+        raise ConfigError(f"task.demonstration = {path!r}: a plain function expected, not async")
+    return function
+
+
+def load_agent(path: str) -> Agent:
+    """The async function ``package.module:function`` names (ConfigError naming task.agent)."""
+    function = _import_function(path, "task.agent")
     if not inspect.iscoroutinefunction(function):
         raise ConfigError(f"task.agent = {path!r}: an `async def` function expected")
     try:
@@ -95,8 +113,16 @@ class AgentTask(Configurable):
         request with ``tools`` comes back with its tool calls parsed (``message.tool_calls``,
         finish_reason "tool_calls"). "": none, the reply's text as generated."""
 
+        demonstration: str = ""
+        """The warm start's data, ``package.module:function``: ``demonstration(episode)`` returns
+        the conversation the agent would have with every call answered well, as messages or as
+        ``{"messages": [...], "tools": [...]}`` with its tool calls (an agent that uses tools
+        learns their format there). "": the episode task's solved conversations."""
+
         def warm_start_config(self) -> TaskConfig:
-            return self.episodes  # the warm start trains on its solved conversations
+            # the warm start trains on the episode task's solved conversations, or on this
+            # agent's demonstrations of them
+            return self if self.demonstration else self.episodes
 
         def __post_init__(self) -> None:
             if self.timeout_s is not None and self.timeout_s <= 0:
@@ -111,6 +137,8 @@ class AgentTask(Configurable):
                               "\"examples.alphabet_sort:AlphabetSortTask\"")
         self.config = config
         self.agent = load_agent(config.agent)
+        self._demonstration = (load_demonstration(config.demonstration)
+                               if config.demonstration else None)
         self._tool_parser = load_tool_parser(config.tool_parser) if config.tool_parser else None
         self.episodes = config.episodes.build()
         self._server: EpisodeServer | None = None
@@ -122,7 +150,9 @@ class AgentTask(Configurable):
     def make_env(self, episode: Any) -> AgentEnv:
         return AgentEnv(self, episode)
 
-    def solved_conversation(self, episode: Any) -> list[dict[str, str]]:
+    def solved_conversation(self, episode: Any) -> list[dict[str, Any]] | dict[str, Any]:
+        if self._demonstration is not None:
+            return self._demonstration(episode)
         solve = getattr(self.episodes, "solved_conversation", None)
         if solve is None:
             raise ConfigError(f"warm_start.enabled needs task.episodes to solve its episodes; "

@@ -27,10 +27,15 @@ def load_tool_parser(name: str) -> type:
     from vllm.tool_parsers import ToolParserManager  # imports vLLM: only when tools are parsed
 
     try:
-        return ToolParserManager.get_tool_parser(name)
+        parser = ToolParserManager.get_tool_parser(name)
     except KeyError as e:
         raise ConfigError(f"task.tool_parser = {name!r}: not one of vLLM's tool parsers "
                           f"{sorted(ToolParserManager.list_registered())}") from e
+    # A parser logs a reply it cannot read as an ERROR with its traceback; here such a reply is
+    # the policy's own output (early in training, most of them) and goes back to the agent as
+    # text, so the parser's log is kept out of the console (ToolCalls.parse logs it at debug).
+    logging.getLogger(parser.__module__).setLevel(logging.CRITICAL)
+    return parser
 
 
 class ToolCalls:
@@ -65,6 +70,8 @@ class ToolCalls:
                                                         tool_choice="auto")
         info = self._parser_class(self._tokenizer, params).extract_tool_calls(text, request)
         if not info.tools_called:
+            if "<tool_call>" in text:
+                logger.debug("reply has a tool call the parser cannot read: %.200r", text)
             return {"role": "assistant", "content": text}
         calls = [{"id": call.id, "type": "function",
                   "function": {"name": call.function.name, "arguments": call.function.arguments}}
