@@ -17,7 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Literal,
+    Protocol,
+    TypeVar,
+    overload,
+    runtime_checkable,
+)
 
 from torchtitan_rl.config.configurable import Configurable
 
@@ -25,6 +34,7 @@ if TYPE_CHECKING:  # annotations only: the rollout package imports this module
     from torchtitan_rl.rollout.message_env import Message, MessageEnv
 
 Split = Literal["train", "validation"]
+EpisodeT = TypeVar("EpisodeT")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -62,3 +72,34 @@ class SupervisedTask(Task, Protocol):
 
     def solved_conversation(self, episode: Any) -> list[Message]:
         """The episode's conversation with every assistant turn answered correctly."""
+
+
+class EpisodeSplit(Sequence[EpisodeT]):
+    """The episodes of one split, each built on demand from its index by `episode`: nothing is
+    held in memory, and a resumed run reads episode 5000 without making the ones before it.
+    Indexing checks the bounds and takes slices."""
+
+    def __init__(self, split: str, num_episodes: int) -> None:
+        self.split = split
+        self._len = num_episodes
+
+    def episode(self, index: int) -> EpisodeT:
+        """Episode ``index`` (0 <= index < len) of this split."""
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, index: int) -> EpisodeT: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[EpisodeT]: ...
+
+    def __getitem__(self, index: int | slice) -> EpisodeT | list[EpisodeT]:
+        if isinstance(index, slice):
+            return [self.episode(i) for i in range(*index.indices(self._len))]
+        if not 0 <= index < self._len:
+            raise IndexError(f"{self.split} episode index must be in [0, {self._len}), "
+                             f"got {index}")
+        return self.episode(index)

@@ -15,9 +15,8 @@ from the training pool (``"shared"``, the main job's setting).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import Literal
 
 from examples.alphabet_sort.env import AlphabetSortEnv
 from examples.alphabet_sort.episode import (
@@ -29,37 +28,23 @@ from examples.alphabet_sort.solutions import solved_conversation
 from torchtitan_rl.assets.names import NameBank
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.rollout.message_env import Message
-from torchtitan_rl.task import TaskConfig
+from torchtitan_rl.task import EpisodeSplit, TaskConfig
 
 Split = Literal["train", "validation"]
 
 
-class AlphabetSortDataset(Sequence[AlphabetSortEpisode]):
-    """Indexable episodes of one split; each built on demand from (seed, split, index)."""
+class AlphabetSortDataset(EpisodeSplit[AlphabetSortEpisode]):
+    """Episodes of one split; each built on demand from (seed, split, index)."""
 
     def __init__(self, pool: list[str], shape: EpisodeShape, *, seed: int, split: str,
                  num_episodes: int) -> None:
+        super().__init__(split, num_episodes)
         self._pool = pool
         self._shape = shape
         self._seed = seed
-        self._split = split
-        self._len = num_episodes
 
-    def __len__(self) -> int:
-        return self._len
-
-    @overload
-    def __getitem__(self, index: int) -> AlphabetSortEpisode: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[AlphabetSortEpisode]: ...
-
-    def __getitem__(self, index: int | slice) -> AlphabetSortEpisode | list[AlphabetSortEpisode]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self._len))]
-        if not 0 <= index < self._len:
-            raise IndexError(f"{self._split} episode index must be in [0, {self._len}), got {index}")
-        return make_episode(self._pool, self._shape, seed=self._seed, split=self._split,
+    def episode(self, index: int) -> AlphabetSortEpisode:
+        return make_episode(self._pool, self._shape, seed=self._seed, split=self.split,
                             index=index)
 
 

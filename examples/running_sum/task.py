@@ -7,14 +7,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from examples.running_sum.env import RunningSumEnv
 from examples.running_sum.episode import RunningSumEpisode, make_episode
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.rollout.message_env import Message
-from torchtitan_rl.task import Split, TaskConfig
+from torchtitan_rl.task import EpisodeSplit, Split, TaskConfig
 
 
 class RunningSumTask(Configurable):
@@ -69,21 +68,15 @@ class RunningSumTask(Configurable):
         return messages
 
 
-class RunningSumDataset(Sequence[RunningSumEpisode]):
-    """The episodes of one split, each built on demand from its index: nothing is held in
-    memory, and a resumed run reads episode 5000 without making the ones before it."""
+class RunningSumDataset(EpisodeSplit[RunningSumEpisode]):
+    """The episodes of one split, each built on demand from its index (`EpisodeSplit` checks
+    the index and takes slices)."""
 
     def __init__(self, config: RunningSumTask.Config, split: Split, num_episodes: int) -> None:
+        super().__init__(split, num_episodes)
         self._config = config
-        self._split = split
-        self._len = num_episodes
 
-    def __len__(self) -> int:
-        return self._len
-
-    def __getitem__(self, index: int) -> RunningSumEpisode:
-        if not 0 <= index < self._len:
-            raise IndexError(f"{self._split} index must be in [0, {self._len}), got {index}")
-        return make_episode(seed=self._config.seed, split=self._split, index=index,
+    def episode(self, index: int) -> RunningSumEpisode:
+        return make_episode(seed=self._config.seed, split=self.split, index=index,
                             num_turns=self._config.num_turns,
                             max_operand=self._config.max_operand)

@@ -26,12 +26,11 @@ import dataclasses
 import hashlib
 import importlib.util
 import warnings
-from collections.abc import Sequence
-from typing import Any, overload
+from typing import Any
 
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.rollout.message_env import EnvStep, Message, MessageEnv
-from torchtitan_rl.task import Split, TaskConfig
+from torchtitan_rl.task import EpisodeSplit, Split, TaskConfig
 
 EXTRA_HINT = "pip install -e '.[envs]' (scripts/setup_env.sh installs it)"
 MAX_DRAWS = 200
@@ -83,42 +82,28 @@ def reply_answer(reply: str, answer_tag: str | None) -> str | None:
     return import_reasoning_gym().utils.extract_answer(reply, tag_name=answer_tag)
 
 
-class ReasoningGymSplit(Sequence[ReasoningGymEpisode]):
-    """The episodes of one split, each built on demand from (split, index)."""
+class ReasoningGymSplit(EpisodeSplit[ReasoningGymEpisode]):
+    """The episodes of one split: episode i asks the questions of slots i * turns, ..."""
 
     def __init__(self, composite: Any, *, split: Split, turns: int, num_episodes: int,
                  validation_fraction: float) -> None:
+        super().__init__(split, num_episodes)
         self._composite = composite
-        self._split = split
         self._turns = turns
-        self._len = num_episodes
         self._validation_fraction = validation_fraction
 
-    def __len__(self) -> int:
-        return self._len
-
-    @overload
-    def __getitem__(self, index: int) -> ReasoningGymEpisode: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[ReasoningGymEpisode]: ...
-
-    def __getitem__(self, index: int | slice) -> ReasoningGymEpisode | list[ReasoningGymEpisode]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self._len))]
-        if not 0 <= index < self._len:
-            raise IndexError(f"{self._split} episode index must be in [0, {self._len}), got {index}")
+    def episode(self, index: int) -> ReasoningGymEpisode:
         entries = tuple(self._entry(index * self._turns + turn) for turn in range(self._turns))
-        return ReasoningGymEpisode(episode_id=f"{self._split}/{index}", entries=entries)
+        return ReasoningGymEpisode(episode_id=f"{self.split}/{index}", entries=entries)
 
     def _entry(self, slot: int) -> dict[str, Any]:
-        stride = self._len * self._turns
-        want_validation = self._split == "validation"
+        stride = len(self) * self._turns
+        want_validation = self.split == "validation"
         for draw in range(MAX_DRAWS):
             entry = self._composite[slot + draw * stride]
             if is_validation_question(entry["question"], self._validation_fraction) == want_validation:
                 return entry
-        raise ValueError(f"task.datasets: {MAX_DRAWS} draws gave no question of the {self._split} "
+        raise ValueError(f"task.datasets: {MAX_DRAWS} draws gave no question of the {self.split} "
                          f"split (validation_fraction={self._validation_fraction}); the datasets "
                          f"have too few distinct questions")
 

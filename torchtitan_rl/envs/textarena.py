@@ -24,12 +24,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-from collections.abc import Callable, Sequence
-from typing import Any, overload
+from collections.abc import Callable
+from typing import Any
 
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.rollout.message_env import EnvStep, Message, MessageEnv
-from torchtitan_rl.task import Split, TaskConfig
+from torchtitan_rl.task import EpisodeSplit, Split, TaskConfig
 
 EXTRA_HINT = "pip install -e '.[envs]' (scripts/setup_env.sh installs it)"
 _SPLIT_OFFSET = {"train": 0, "validation": 1}
@@ -104,29 +104,15 @@ class TextArenaEnv(MessageEnv):
                          "rollouter.credit = 'rollout'")
 
 
-class TextArenaSplit(Sequence[TextArenaEpisode]):
+class TextArenaSplit(EpisodeSplit[TextArenaEpisode]):
     def __init__(self, *, seed: int, split: Split, num_episodes: int) -> None:
+        super().__init__(split, num_episodes)
         self._seed = seed
-        self._split = split
-        self._len = num_episodes
 
-    def __len__(self) -> int:
-        return self._len
-
-    @overload
-    def __getitem__(self, index: int) -> TextArenaEpisode: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[TextArenaEpisode]: ...
-
-    def __getitem__(self, index: int | slice) -> TextArenaEpisode | list[TextArenaEpisode]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self._len))]
-        if not 0 <= index < self._len:
-            raise IndexError(f"{self._split} episode index must be in [0, {self._len}), got {index}")
+    def episode(self, index: int) -> TextArenaEpisode:
         # even seeds train, odd seeds validate: the splits never play the same seed
-        game_seed = self._seed * 10_000_019 + 2 * index + _SPLIT_OFFSET[self._split]
-        return TextArenaEpisode(episode_id=f"{self._split}/{index}", game_seed=game_seed)
+        game_seed = self._seed * 10_000_019 + 2 * index + _SPLIT_OFFSET[self.split]
+        return TextArenaEpisode(episode_id=f"{self.split}/{index}", game_seed=game_seed)
 
 
 class TextArenaTask(Configurable):
