@@ -1,11 +1,12 @@
 """The main job with each algorithm variant, from one warm start: does each train, and how well?
 
     python bench/algorithms.py [--steps 30] [--seed 0] [--variants grpo,rloo,...] [--out DIR]
+                               [--config run_configs/alphabet_sort_cpu.toml]
 
 Every variant is the main job (run_configs/alphabet_sort_cpu.toml: multi-turn AlphabetSort, the
-demo model, its cached warm start, per-turn credit) for ``--steps`` GRPO steps with the same seed,
-changed only by the config lines in ``VARIANTS``; validation before and after (96 held-out
-episodes x 4 samples), no checkpoints. Each runs as its own ``python -m torchtitan_rl.train``
+demo model, its cached warm start, per-turn credit), or the run config ``--config`` names, for
+``--steps`` GRPO steps with the same seed, changed only by the config lines in ``VARIANTS``;
+validation before and after (the config's held-out episodes and samples), no checkpoints. Each runs as its own ``python -m torchtitan_rl.train``
 process, one after the other (the first makes the warm start if the cache has none).
 
 The table: rise (reward after - before, paired by episode), its standard error and z (clustered by
@@ -48,11 +49,10 @@ VARIANTS: dict[str, list[str]] = {
 }
 
 
-def run_variant(name: str, overrides: list[str], *, steps: int, seed: int,
+def run_variant(name: str, overrides: list[str], *, config: str, steps: int, seed: int,
                 out: pathlib.Path) -> dict:
     command = [
-        sys.executable, "-m", "torchtitan_rl.train",
-        "--config", "run_configs/alphabet_sort_cpu.toml",
+        sys.executable, "-m", "torchtitan_rl.train", "--config", config,
         "--output_dir", str(out), "--name", name, "--seed", str(seed),
         "--loop.num_steps", str(steps), "--validation.every_steps", "0",
         "--checkpoint.every_steps", "0", "--checkpoint.export_hf", "false",
@@ -88,6 +88,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config", default="run_configs/alphabet_sort_cpu.toml",
+                        help="the run config every variant changes (default: the main job)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated, of: {', '.join(VARIANTS)}")
     parser.add_argument("--out", type=pathlib.Path,
@@ -104,7 +106,8 @@ def main() -> None:
     print(header, flush=True)
     rows = []
     for name in names:
-        row = run_variant(name, VARIANTS[name], steps=args.steps, seed=args.seed, out=args.out)
+        row = run_variant(name, VARIANTS[name], config=args.config, steps=args.steps,
+                          seed=args.seed, out=args.out)
         rows.append(row)
         if "failed" in row:
             print(f"{name:<22} failed: {row['failed'][0]}", flush=True)
