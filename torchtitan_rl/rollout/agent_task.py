@@ -93,6 +93,10 @@ class AgentTask(Configurable):
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(TaskConfig):
+        # with a demonstration the warm start is keyed by this config: its serving settings
+        # do not change the demonstrations
+        warm_start_independent_fields = ("agent", "timeout_s", "host", "port", "tool_parser")
+
         agent: str = ""
         """The agent, ``package.module:function``: ``async def run(episode, client)`` returning
         the reward (or (reward, [reward per model call]) for per-turn credit). ``client`` is an
