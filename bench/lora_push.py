@@ -5,7 +5,7 @@
 For each model size: two trainers on their own Monarch procs, one full-parameter (its pushes carry
 every weight) and one training LoRA adapters of ``--rank`` (``trainer.lora.push = "adapter"``: its
 pushes carry the adapters alone), each pushing to its own generator (float32, TP 1; the adapter's
-engine built with vLLM's LoRA). One push is the trainer's ``push_full_weights`` as a run calls it,
+engine built with vLLM's LoRA). One push is the trainer's ``push_weights`` as a run calls it,
 over shared memory (what ``weight_transport = "auto"`` picks on one machine): the trainer gathers,
 rank 0 stages the tensors, the generator loads them between engine steps (the full push with
 ``weight_sync.load = "auto"``: one copy per tensor into vLLM's parameters, then its packed CPU
@@ -40,7 +40,7 @@ async def _time_pushes(trainer: Any, generator: Any, iters: int) -> tuple[float,
     times, num_bytes = [], 0.0
     for version in range(1, iters + 2):
         start = time.perf_counter()
-        metrics = rank0_value(await trainer.push_full_weights.call(
+        metrics = rank0_value(await trainer.push_weights.call(
             generator, version, False, "shared_memory"))
         if version > 1:
             times.append(time.perf_counter() - start)

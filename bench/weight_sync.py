@@ -4,7 +4,7 @@
 
 Topology (what a run does): a PolicyTrainer actor on one Monarch proc and two Generator actors
 (``spawn_generator``, float32, TP=1), one per ``weight_sync.load``, each on its own proc. One sync
-is the trainer's ``push_full_weights(generator.actors, policy_version)``: the trainer
+is the trainer's ``push_weights(generator.actors, policy_version)``: the trainer
 gathers its state dict, rank 0's WeightPusher sends it torchtitan-named to the generator's
 ``pull_model_state_dict`` (no files), and the generator's WeightPuller renames it to HF and writes
 it into vLLM between engine steps (torchtitan_rl/weight_sync/). Cases (transport x load):
@@ -78,7 +78,7 @@ async def _time_pushes(trainer: Any, generators: Any, transport: str, versions: 
 
     async def push(version: int) -> dict[str, float]:
         # The PolicyTrainer endpoint: every trainer rank gathers, rank 0 pushes and reports.
-        return rank0_value(await trainer.push_full_weights.call(generators, version, False, transport))
+        return rank0_value(await trainer.push_weights.call(generators, version, False, transport))
 
     await push(versions[0])
     times, metrics = [], []

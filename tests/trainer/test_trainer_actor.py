@@ -31,9 +31,9 @@ async def train_step(trainer, samples, batcher) -> dict[str, float]:
     return metrics
 
 
-async def push_full_weights(trainer, generators, version: int, *, verify: bool = False,
+async def push_weights(trainer, generators, version: int, *, verify: bool = False,
                        transport: str | None = None) -> dict[str, float]:
-    return rank0_value(await trainer.push_full_weights.call(generators, version, verify, transport))
+    return rank0_value(await trainer.push_weights.call(generators, version, verify, transport))
 
 
 def _engine(model_dir: str):
@@ -105,9 +105,9 @@ async def _scenario(model_dir: pathlib.Path, export_dir: pathlib.Path) -> dict:
         batcher, samples = Batcher.Config(seq_len=32), _samples()
         before = await _generate_greedy(generator, "before")
         step = await train_step(trainer, samples, batcher)
-        sync = await push_full_weights(trainer, generator.actors, version=1, verify=True)
+        sync = await push_weights(trainer, generator.actors, version=1, verify=True)
         await train_step(trainer, samples, batcher)
-        sync_shm = await push_full_weights(  # shared-memory references, read back bit for bit
+        sync_shm = await push_weights(  # shared-memory references, read back bit for bit
             trainer, generator.actors, version=2, verify=True, transport="shared_memory")
         after = await _generate_greedy(generator, "after")
         await trainer.export_hf.call(str(export_dir))

@@ -205,7 +205,7 @@ class TorchrunTrainerClient(TrainerClient):
     async def optim_step(self) -> dict[str, float]:
         return await self._send(PolicyTrainerCore.optim_step)
 
-    async def push_full_weights(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
+    async def push_weights(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
         assert generator.weight_transport is not None, "the pool picks each generator's transport"
         start = time.perf_counter()
         state_dict = await self._send(PolicyTrainerCore.pushed_state_dict)

@@ -5,7 +5,7 @@ and `TrainerClient`, the controller's one view of the trainer however its ranks 
       every rank: batcher.pack(samples) -> TrainingBatch (the same on every rank), FSDP/TP
       fwd+bwd of its column (gloo/NCCL) -metrics-> controller
       -optim_step()-> every rank: clip, AdamW, policy_version += 1 -metrics-> controller
-    generator pool -push_full_weights(generator, version)-> TrainerClient (shared memory: a
+    generator pool -push_weights(generator, version)-> TrainerClient (shared memory: a
         generator on this machine) -> every rank: all-gather full tensors; rank 0:
         WeightPusher.push (weight_sync/push.py) -pull_model_state_dict(policy_version,
         shared-memory references that unpickle as tensors)-> every generator rank
@@ -153,7 +153,7 @@ class PolicyTrainer(Actor, Configurable):
         return self.core.full_model_state_dict()
 
     @concurrent_endpoint
-    async def push_full_weights(
+    async def push_weights(
         self,
         generators: Any,
         policy_version: int | None = None,
@@ -304,7 +304,7 @@ class TrainerClient(abc.ABC):
         """Every rank clips, steps AdamW and advances its policy version."""
 
     @abc.abstractmethod
-    async def push_full_weights(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
+    async def push_weights(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
         """The trainer's weights into every rank of ``generator`` as policy ``version``, over the
         generator's ``weight_transport`` (read back and compared bit for bit when
         ``verify_push``): every rank gathers, rank 0 pushes."""
@@ -370,9 +370,9 @@ class MonarchTrainerClient(TrainerClient):
     async def optim_step(self) -> dict[str, float]:
         return rank0_value(await self.actors.optim_step.call())
 
-    async def push_full_weights(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
+    async def push_weights(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
         assert generator.weight_transport is not None, "the pool picks each generator's transport"
-        return rank0_value(await self.actors.push_full_weights.call(
+        return rank0_value(await self.actors.push_weights.call(
             generator.actors, version, self.verify_push, generator.weight_transport))
 
     async def relay_weights(self, chain: list[GeneratorHandle], version: int, attempt: int

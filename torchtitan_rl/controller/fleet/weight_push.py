@@ -3,7 +3,7 @@ ranks -> transport -> generators, and back to the pool as metrics.
 
     GeneratorPool.push_weights(version) -> WeightPush(trainer, router).run(serving, version):
       each generator on the trainer's machine, one at a time (the router keeps new sessions off
-        it): trainer.push_full_weights(generator, version): every rank gathers, rank 0 copies
+        it): trainer.push_weights(generator, version): every rank gathers, rank 0 copies
         once into shared memory and sends references (weight_sync/push.py, shared_memory.py)
       the others at once, down one chain: trainer.relay_weights(chain, version, attempt): every
         rank sends its own shards to chain[0], each generator forwards them to the next
@@ -121,7 +121,7 @@ class WeightPush:
         self.router.set_syncing([index], True)
         trainer_called = False
         try:
-            metrics = await until_lost(generator, self.trainer.push_full_weights(generator, version))
+            metrics = await until_lost(generator, self.trainer.push_weights(generator, version))
             trainer_called = True
             self.totals.timings.update(metrics)
             moved = metrics.get("weight_sync/bytes", 0.0)
@@ -188,7 +188,7 @@ class WeightPush:
         """``version`` into a replacement (not serving yet): shared memory, or a relay chain of
         one."""
         if new.weight_transport == "shared_memory":
-            await until_lost(new, self.trainer.push_full_weights(new, version))
+            await until_lost(new, self.trainer.push_weights(new, version))
             return
         attempt = REPLACEMENT_ATTEMPT  # apart from the loop's attempts of the same version
         # The loop may be training meanwhile: no step between the send and the read-back.
