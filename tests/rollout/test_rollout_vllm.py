@@ -116,10 +116,14 @@ def engine() -> Iterator[Any]:
     del engine
 
 
-def _run_group(engine: Any, group_id: int) -> tuple[RolloutGroup, EngineGenerate]:
-    task = AlphabetSortTask.Config(seed=0, min_turns=3, max_turns=3).build()
-    rollouter = Rollouter.Config(group_size=GROUP_SIZE, max_turns=3, max_rollout_tokens=400,
-                                 drop_zero_std_groups=False, seed=1234).build(
+def _play_group(engine: Any, task: Any, episode: Any, group_id: int, *, max_turns: int,
+                max_rollout_tokens: int, seed: int, max_tokens: int = MAX_TOKENS
+                ) -> tuple[RolloutGroup, EngineGenerate]:
+    """One group of ``episode`` rolled out by the Rollouter against the engine, with the task's
+    envs."""
+    rollouter = Rollouter.Config(group_size=GROUP_SIZE, max_turns=max_turns,
+                                 max_rollout_tokens=max_rollout_tokens,
+                                 drop_zero_std_groups=False, seed=seed).build(
         tokenizer=tiny_tokenizer(), make_env=task.make_env)
     gen = EngineGenerate(engine)
 
@@ -127,13 +131,19 @@ def _run_group(engine: Any, group_id: int) -> tuple[RolloutGroup, EngineGenerate
         server = asyncio.create_task(gen.serve())
         try:
             return await rollouter.run_group_rollouts(
-                gen, task.dataset("train")[0], group_id,
-                sampling=Sampling(max_tokens=MAX_TOKENS, temperature=1.0,
+                gen, episode, group_id,
+                sampling=Sampling(max_tokens=max_tokens, temperature=1.0,
                                   stop_token_ids=STOP_TOKEN_IDS))
         finally:
             server.cancel()
 
     return run(main(), timeout_s=300.0), gen
+
+
+def _run_group(engine: Any, group_id: int) -> tuple[RolloutGroup, EngineGenerate]:
+    task = AlphabetSortTask.Config(seed=0, min_turns=3, max_turns=3).build()
+    return _play_group(engine, task, task.dataset("train")[0], group_id, max_turns=3,
+                       max_rollout_tokens=400, seed=1234)
 
 
 @pytest.fixture(scope="module")
@@ -198,21 +208,8 @@ def test_rollout_vllm_plays_a_textarena_game(engine: Any) -> None:
     from torchtitan_rl.envs.textarena import TextArenaTask
 
     task = TextArenaTask.Config(env_kwargs={"max_turns": 3}).build()
-    rollouter = Rollouter.Config(group_size=GROUP_SIZE, max_turns=6, max_rollout_tokens=480,
-                                 drop_zero_std_groups=False, seed=7).build(
-        tokenizer=tiny_tokenizer(), make_env=task.make_env)
-    gen = EngineGenerate(engine)
-
-    async def main() -> RolloutGroup:
-        server = asyncio.create_task(gen.serve())
-        try:
-            return await rollouter.run_group_rollouts(
-                gen, task.dataset("train")[0], 11,
-                sampling=Sampling(max_tokens=8, temperature=1.0, stop_token_ids=STOP_TOKEN_IDS))
-        finally:
-            server.cancel()
-
-    group = run(main(), timeout_s=300.0)
+    group, _ = _play_group(engine, task, task.dataset("train")[0], 11, max_turns=6,
+                           max_rollout_tokens=480, seed=7, max_tokens=8)
     assert all(not r.status.is_error for r in group.rollouts), [r.error for r in group.rollouts]
     turns = [t for r in group.rollouts for t in r.turns]
     assert len(turns) > GROUP_SIZE  # the game went on after the first move
@@ -246,22 +243,9 @@ def test_rollout_vllm_answers_reasoning_gym_questions_turn_after_turn(engine: An
     specs = [DatasetSpec(name="spell_backward", config={"min_word_len": 3, "max_word_len": 5}),
              DatasetSpec(name="chain_sum")]
     task = ReasoningGymTask.Config(datasets=specs, turns=2, num_train_episodes=8).build()
-    rollouter = Rollouter.Config(group_size=GROUP_SIZE, max_turns=2, max_rollout_tokens=256,
-                                 drop_zero_std_groups=False, seed=3).build(
-        tokenizer=tiny_tokenizer(), make_env=task.make_env)
-    gen = EngineGenerate(engine)
     episode = task.dataset("train")[1]
-
-    async def main() -> RolloutGroup:
-        server = asyncio.create_task(gen.serve())
-        try:
-            return await rollouter.run_group_rollouts(
-                gen, episode, 12,
-                sampling=Sampling(max_tokens=8, temperature=1.0, stop_token_ids=STOP_TOKEN_IDS))
-        finally:
-            server.cancel()
-
-    group = run(main(), timeout_s=300.0)
+    group, _ = _play_group(engine, task, episode, 12, max_turns=2, max_rollout_tokens=256, seed=3,
+                           max_tokens=8)
     assert all(not r.status.is_error for r in group.rollouts), [r.error for r in group.rollouts]
     tokenizer = tiny_tokenizer()
     scorer = CompositeDataset(CompositeConfig(
