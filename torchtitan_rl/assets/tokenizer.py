@@ -109,6 +109,15 @@ def training_corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
     return lines
 
 
+def messages_and_tools(conversation: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A solved conversation's messages and the tools it offers: it is its messages, or
+    ``{"messages": [...], "tools": [...]}`` for one that offers tools (the chat-dataset form TRL's
+    SFT takes; its assistant messages may hold ``tool_calls``)."""
+    if isinstance(conversation, dict):
+        return conversation["messages"], list(conversation.get("tools") or [])
+    return conversation, []
+
+
 def task_corpus(solved_conversation: Callable[[int], Any],
                 num_conversations: int = 2000) -> list[str]:
     """The text of a task's first solved training conversations, one message (its role, then its
@@ -116,11 +125,9 @@ def task_corpus(solved_conversation: Callable[[int], Any],
     that fits the task's own prose (``model.tokenizer_corpus = "task"``)."""
     lines: list[str] = []
     for i in range(num_conversations):
-        conversation = solved_conversation(i)
-        if isinstance(conversation, dict):  # {"messages": [...], "tools": [...]}
-            lines += [json.dumps(tool) for tool in conversation.get("tools") or []]
-            conversation = conversation["messages"]
-        for message in conversation:
+        messages, tools = messages_and_tools(solved_conversation(i))
+        lines += [json.dumps(tool) for tool in tools]
+        for message in messages:
             calls = "".join(f"\n<tool_call>\n{json.dumps(call.get('function', call))}\n</tool_call>"
                             for call in message.get("tool_calls") or [])
             lines.append(f"{message['role']}\n{message.get('content') or ''}{calls}")

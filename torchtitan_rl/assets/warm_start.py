@@ -26,15 +26,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torchtitan_rl.assets.permissions import is_private, share_like_umask
+from torchtitan_rl.assets.tokenizer import messages_and_tools
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.console import progress_bar
 
 logger = logging.getLogger(__name__)
 
 Conversation = list[dict[str, Any]] | dict[str, Any]
-"""A solved conversation: its messages, or ``{"messages": [...], "tools": [...]}`` for one that
-offers tools (the chat-dataset form TRL's SFT takes): the tools are rendered as the rollouts
-render a request's ``tools``, and assistant messages may hold ``tool_calls``."""
+"""A solved conversation (`tokenizer.messages_and_tools`): its tools are rendered as the rollouts
+render a request's ``tools``."""
 Example = tuple[list[int], list[int]]
 """(token ids, assistant mask) of one conversation."""
 
@@ -223,10 +223,9 @@ def _tokenize_with_assistant_mask(tokenizer: Any, conversation: Conversation,
     """Token ids of the rendered conversation and a mask that is 1 on assistant replies
     (their text or tool calls and end-of-turn token), computed by rendering growing prefixes."""
     kwargs = dict(chat_template_kwargs or {})
-    if isinstance(conversation, dict):
-        if conversation.get("tools"):
-            kwargs["tools"] = conversation["tools"]
-        conversation = conversation["messages"]
+    conversation, tools = messages_and_tools(conversation)
+    if tools:
+        kwargs["tools"] = tools
     ids: list[int] = []
     mask: list[int] = []
     for i, message in enumerate(conversation):

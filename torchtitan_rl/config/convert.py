@@ -151,6 +151,17 @@ def import_config_class(type_path: Any, base: type, path: str) -> type:
     return config_cls
 
 
+def import_function(path: str, key: str) -> Any:
+    """The function a ``package.module:function`` setting names (ConfigError naming ``key``)."""
+    module_name, _, name = path.partition(":")
+    if not module_name or not name:
+        raise ConfigError(f"{key}: 'package.module:function' expected, got {path!r}")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{key} = {path!r}: {e}") from e
+
+
 def _near_module(module_name: str) -> str:
     """``; did you mean 'pkg.near'?`` for the first part of ``module_name`` that does not exist,
     from the modules beside it (or top-level ones); "" when nothing is close."""

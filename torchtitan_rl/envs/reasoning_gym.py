@@ -201,9 +201,11 @@ class ReasoningGymTask(Configurable):
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        train = self._composite(config.seed, config.num_train_episodes)
+        self._scorer = train  # score_answer dispatches by the entry's dataset: any split's does
         self._splits = {
             "train": ReasoningGymSplit(
-                self._composite(config.seed, config.num_train_episodes), split="train",
+                train, split="train",
                 turns=config.turns, num_episodes=config.num_train_episodes,
                 validation_fraction=config.validation_fraction),
             "validation": ReasoningGymSplit(
@@ -213,7 +215,6 @@ class ReasoningGymTask(Configurable):
                 num_episodes=config.num_validation_episodes,
                 validation_fraction=config.validation_fraction),
         }
-        self._scorer = self._splits["train"]._composite  # score_answer dispatches by entry
 
     def _composite(self, seed: int, num_episodes: int) -> Any:
         composite = import_reasoning_gym().composite

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.config.convert import import_function
 from torchtitan_rl.rollout.message_env import EnvStep, Message, MessageEnv
 from torchtitan_rl.task import EpisodeSplit, Split, TaskConfig
 
@@ -47,14 +48,17 @@ class TextArenaEpisode:
 
 def make_game(env_id: str, env_kwargs: dict[str, Any]) -> Any:
     """The registered game without textarena's default wrappers (the chat keeps the history)."""
-    import textarena
-    from textarena.envs.registration import ENV_REGISTRY
+    from textarena.envs.registration import ENV_REGISTRY  # the package registers every game
 
     spec = ENV_REGISTRY[env_id]
     module_name, _, name = spec.entry_point.partition(":")
     game_class = getattr(importlib.import_module(module_name), name)
-    del textarena  # imported for its registry
     return game_class(**{**spec.kwargs, **env_kwargs})
+
+
+def _game_text(observations: list[tuple[int, str, Any]]) -> str:
+    """The game's new messages to player 0, one a line (the player's own moves left out)."""
+    return "\n".join(message for sender, message, _ in observations if sender != 0)
 
 
 class TextArenaEnv(MessageEnv):
@@ -67,14 +71,11 @@ class TextArenaEnv(MessageEnv):
         self._invalid_end_reward = invalid_end_reward
         self._reward: float | None = None
 
-    def _new_messages(self) -> str:
-        _, observations = self._game.get_observation()
-        return "\n".join(message for sender, message, _ in observations if sender != 0)
-
     async def init(self) -> list[Message]:
         self._game.reset(num_players=1, seed=self.episode.game_seed)
         self._reward = None
-        return [{"role": "user", "content": self._new_messages()}]
+        _, observations = self._game.get_observation()
+        return [{"role": "user", "content": _game_text(observations)}]
 
     async def step(self, assistant_message: Message) -> EnvStep:
         import textarena
@@ -92,8 +93,8 @@ class TextArenaEnv(MessageEnv):
                 self._reward = self._invalid_end_reward
             parts["game_reward"] = self._reward
             return EnvStep(done=True, reward_parts=parts)
-        text = "\n".join(message for sender, message, _ in observations if sender != 0)
-        return EnvStep(messages=[{"role": "user", "content": text}], reward_parts=parts)
+        return EnvStep(messages=[{"role": "user", "content": _game_text(observations)}],
+                       reward_parts=parts)
 
     def score(self, replies: list[str], reward_parts: list[dict[str, float]]) -> float:
         """The game's reward for player 0 when it ended; 0 for a game cut off unfinished."""
@@ -148,7 +149,6 @@ class TextArenaTask(Configurable):
                     raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
             import difflib
 
-            import textarena  # noqa: F401 (fills the registry)
             from textarena.envs.registration import ENV_REGISTRY
 
             if self.env_id not in ENV_REGISTRY:
@@ -166,12 +166,7 @@ class TextArenaTask(Configurable):
                              f"player: {type(e).__name__}: {e}") from e
         self._solver: Solver | None = None
         if config.solver is not None:
-            module_name, _, name = config.solver.partition(":")
-            try:
-                self._solver = getattr(importlib.import_module(module_name), name)
-            except (ImportError, AttributeError, ValueError) as e:
-                raise ValueError(f"task.solver: cannot import {config.solver!r} "
-                                 f"('module:function'): {e}") from e
+            self._solver = import_function(config.solver, "task.solver")
         self._splits = {split: TextArenaSplit(seed=config.seed, split=split, num_episodes=n)
                         for split, n in (("train", config.num_train_episodes),
                                          ("validation", config.num_validation_episodes))}

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.config.convert import import_function
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.rollout.agent_capture import EpisodeCapture, EpisodeLimits
 from torchtitan_rl.rollout.agent_server import EpisodeServer
@@ -51,21 +51,10 @@ logger = logging.getLogger(__name__)
 Agent = Callable[[Any, Any], Awaitable[Any]]
 
 
-def _import_function(path: str, key: str) -> Callable[..., Any]:
-    """The function ``package.module:function`` names (ConfigError naming ``key``)."""
-    module_name, _, name = path.partition(":")
-    if not module_name or not name:
-        raise ConfigError(f"{key}: 'package.module:function' expected, got {path!r}")
-    try:
-        return getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"{key} = {path!r}: {e}") from e
-
-
 def load_demonstration(path: str) -> Callable[[Any], Any]:
     """The function ``demonstration(episode)`` that ``path`` names (ConfigError naming
     task.demonstration)."""
-    function = _import_function(path, "task.demonstration")
+    function = import_function(path, "task.demonstration")
     try:
         inspect.signature(function).bind("episode")
     except TypeError as e:
@@ -77,7 +66,7 @@ def load_demonstration(path: str) -> Callable[[Any], Any]:
 
 def load_agent(path: str) -> Agent:
     """The async function ``package.module:function`` names (ConfigError naming task.agent)."""
-    function = _import_function(path, "task.agent")
+    function = import_function(path, "task.agent")
     if not inspect.iscoroutinefunction(function):
         raise ConfigError(f"task.agent = {path!r}: an `async def` function expected")
     try:
