@@ -15,6 +15,7 @@ the config loader imports the class that ``type`` names (see config/convert.py).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Sequence
 from typing import (
@@ -83,9 +84,9 @@ class EpisodeSplit(Sequence[EpisodeT]):
         self.split = split
         self._len = num_episodes
 
+    @abc.abstractmethod
     def episode(self, index: int) -> EpisodeT:
         """Episode ``index`` (0 <= index < len) of this split."""
-        raise NotImplementedError
 
     def __len__(self) -> int:
         return self._len
