@@ -1,12 +1,15 @@
 """The main job with each algorithm variant, from one warm start: does each train, and how well?
 
     python bench/algorithms.py [--steps 30] [--seed 0] [--variants grpo,rloo,...] [--out DIR]
-                               [--config run_configs/alphabet_sort_cpu.toml]
+                               [--config run_configs/alphabet_sort_cpu.toml] [-- job options]
 
 Every variant is the main job (run_configs/alphabet_sort_cpu.toml: multi-turn AlphabetSort, the
 demo model, its cached warm start, per-turn credit), or the run config ``--config`` names, for
 ``--steps`` GRPO steps with the same seed, changed only by the config lines in ``VARIANTS``;
-validation before and after (the config's held-out episodes and samples), no checkpoints. Each
+validation before and after (the config's held-out episodes and samples), no checkpoints. Options
+after ``--`` go to every variant's job (for example more validation episodes, which tighten the
+standard errors without changing training: ``-- --task.num_validation_episodes 384
+--validation.num_prompts 384``). Each
 runs as its own ``python -m torchtitan_rl.train`` process, one after the other (the first makes
 the warm start if the cache has none).
 
@@ -51,13 +54,13 @@ VARIANTS: dict[str, list[str]] = {
 
 
 def run_variant(name: str, overrides: list[str], *, config: str, steps: int, seed: int,
-                out: pathlib.Path) -> dict:
+                out: pathlib.Path, job_options: list[str]) -> dict:
     command = [
         sys.executable, "-m", "torchtitan_rl.train", "--config", config,
         "--output_dir", str(out), "--name", name, "--seed", str(seed),
         "--loop.num_steps", str(steps), "--validation.every_steps", "0",
         "--checkpoint.every_steps", "0", "--checkpoint.export_hf", "false",
-        *overrides,
+        *job_options, *overrides,
     ]
     start = time.perf_counter()
     proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
@@ -96,7 +99,9 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path,
                         default=REPO_ROOT / "runs" / "bench_algorithms" / time.strftime(
                             "%Y%m%d-%H%M%S"), help="where the variants' run folders go")
-    args = parser.parse_args()
+    argv = sys.argv[1:]
+    job_options = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     names = [n for n in args.variants.split(",") if n]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
@@ -108,7 +113,7 @@ def main() -> None:
     rows = []
     for name in names:
         row = run_variant(name, VARIANTS[name], config=args.config, steps=args.steps,
-                          seed=args.seed, out=args.out)
+                          seed=args.seed, out=args.out, job_options=job_options)
         rows.append(row)
         if "failed" in row:
             print(f"{name:<22} failed: {row['failed'][0]}", flush=True)
