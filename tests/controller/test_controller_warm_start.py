@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 
 import pytest
 
@@ -111,6 +112,14 @@ def test_warm_start_learns_and_its_cache_is_reused(tiny_model_dir, tmp_path, cap
                     seed=0) == out
     assert any("reusing" in r.getMessage() for r in caplog.records)
     assert (out / "model.safetensors").stat().st_mtime_ns == written
+    # A run that trained the same key beside this one and finishes second keeps the first's
+    # files (in use by then) and leaves no temporary folder behind.
+    caplog.clear()
+    WarmStart(WarmStart.Config(num_steps=2, batch_size=2, num_threads=1))._train(
+        tiny_model_dir, [_conversation(i) for i in range(4)], out, 0, {}, threading.Event())
+    assert any("written by another run" in r.getMessage() for r in caplog.records)
+    assert (out / "model.safetensors").stat().st_mtime_ns == written
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
     # what determines the result is in the key; where it is cached is not
     other = WarmStart(WarmStart.Config(enabled=True, num_steps=41, cache_dir=str(tmp_path)))
     assert other.output_dir(tiny_model_dir, "alphabet", seed=0) != out

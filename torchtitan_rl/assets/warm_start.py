@@ -178,7 +178,15 @@ class WarmStart(Configurable):
                 if (base_model_dir / extra).exists():
                     shutil.copy(base_model_dir / extra, tmp / extra)
             share_like_umask(tmp)  # mkdtemp made it 0700 and safetensors writes 0600
-            tmp.rename(out)
+            try:
+                tmp.rename(out)
+            except OSError:
+                # Another run trained the same key beside this one and finished first: the same
+                # inputs, so its files serve; they may be in use, so they are not replaced.
+                if not (out / "config.json").is_file():
+                    raise
+                logger.info("warm start: %s was written by another run meanwhile; using it", out)
+                return
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp)
