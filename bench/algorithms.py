@@ -6,12 +6,11 @@
 Every variant is the main job (run_configs/alphabet_sort_cpu.toml: multi-turn AlphabetSort, the
 demo model, its cached warm start, per-turn credit), or the run config ``--config`` names, for
 ``--steps`` GRPO steps with the same seed, changed only by the config lines in ``VARIANTS``;
-validation before and after (the config's held-out episodes and samples), no checkpoints. Options
-after ``--`` go to every variant's job (for example more validation episodes, which tighten the
-standard errors without changing training: ``-- --task.num_validation_episodes 384
---validation.num_prompts 384``). Each
+validation before and after (the config's held-out episodes and samples), no checkpoints. Each
 runs as its own ``python -m torchtitan_rl.train`` process, one after the other (the first makes
-the warm start if the cache has none).
+the warm start if the cache has none). Options after ``--`` go to every variant's job, for
+example more validation episodes, which tighten the standard errors without changing training:
+``-- --task.num_validation_episodes 384 --validation.num_prompts 384``.
 
 The table: rise (reward after - before, paired by episode), its standard error and z (clustered by
 episode: controller/loop/validation.py), reward_after, the median step time, whether every step's
