@@ -98,9 +98,8 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path,
                         default=REPO_ROOT / "runs" / "bench_algorithms" / time.strftime(
                             "%Y%m%d-%H%M%S"), help="where the variants' run folders go")
-    argv = sys.argv[1:]
-    job_options = argv[argv.index("--") + 1:] if "--" in argv else []
-    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    parser.add_argument("job_options", nargs="*", help="options for every variant's job (after --)")
+    args = parser.parse_args()
     names = [n for n in args.variants.split(",") if n]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
@@ -112,7 +111,7 @@ def main() -> None:
     rows = []
     for name in names:
         row = run_variant(name, VARIANTS[name], config=args.config, steps=args.steps,
-                          seed=args.seed, out=args.out, job_options=job_options)
+                          seed=args.seed, out=args.out, job_options=args.job_options)
         rows.append(row)
         if "failed" in row:
             print(f"{name:<22} failed: {row['failed'][0]}", flush=True)

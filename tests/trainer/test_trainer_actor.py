@@ -32,7 +32,7 @@ async def train_step(trainer, samples, batcher) -> dict[str, float]:
 
 
 async def push_weights(trainer, generators, version: int, *, verify: bool = False,
-                  transport: str | None = None) -> dict[str, float]:
+                       transport: str | None = None) -> dict[str, float]:
     return rank0_value(await trainer.push_weights.call(generators, version, verify, transport))
 
 
