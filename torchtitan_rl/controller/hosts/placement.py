@@ -143,7 +143,7 @@ class Placement(Configurable):
 
                 return ProcessJob(meshes, env=env)
             if self.kind == "slurm":
-                from monarch.job import SlurmJob
+                from torchtitan_rl.controller.hosts.slurm_job import SlurmJob
 
                 return SlurmJob(meshes, **slurm_job_kwargs(self.slurm, self.host_timeout_s))
             if self.kind == "kubernetes":
