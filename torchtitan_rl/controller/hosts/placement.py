@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.config.errors import ConfigError
+from torchtitan_rl.console import CONSOLE
 from torchtitan_rl.controller.hosts import attach_tls
 from torchtitan_rl.controller.hosts.cluster_jobs import (
     KubernetesPlacement,
@@ -164,9 +165,12 @@ class Placement(Configurable):
             return RunHosts(trainer=this_host(), generators=this_host(), generators_per_host=0)
         if c.kind == "attach":
             return await _attach(c)
-        # Simulated hosts are sessions of their own: reaped when this controller ends, however.
-        reaper = OrphanReaper() if c.kind == "process" else None
+        # Simulated hosts are sessions of their own, and a Slurm job outlives its client: both
+        # are ended when this controller ends, however.
+        reaper = OrphanReaper() if c.kind in ("process", "slurm") else None
         job = c.monarch_job(num_generators, env=reaper.env if reaper else None)
+        if c.kind == "slurm":
+            job.on_submit = reaper.cancel_slurm_job_at_exit
         try:
             # apply() submits or starts the workers; a Slurm allocation may queue: bounded too.
             try:
@@ -182,6 +186,11 @@ class Placement(Configurable):
                              generators_per_host=c.generators_per_host, job=job,
                              separate_machines=c.kind == "process", reaper=reaper)
             await hosts.wait_up(f"placement.kind={c.kind}", c.host_timeout_s)
+            if c.kind == "slurm":
+                nodes = job.hostnames()
+                logger.info("slurm job %s: the trainer on %s, the generators on %s", job.job_id,
+                            ", ".join(nodes[:c.trainer_hosts]),
+                            ", ".join(nodes[c.trainer_hosts:]), extra=CONSOLE)
         except BaseException:
             _kill(job)
             if reaper is not None:

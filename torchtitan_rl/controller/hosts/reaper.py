@@ -6,6 +6,9 @@
                 the controller's end (a pipe's EOF: no polling) and kills every process that
                 carries the run's token in its environment (the workers and their procs), then
                 removes the socket folder the dead controller's ProcessJob left in the temp dir
+    slurm       the same sidecar, told each Slurm job id as soon as sbatch returns it (a line on
+                the pipe): at the controller's end it scancels them, and Slurm ends the job's
+                processes on every node; queued jobs are cancelled too
     attach      the procs of a client that is gone: Monarch's host agent reaps procs whose client
                 stopped renewing their keepalive for ``HYPERACTOR_MESH_ORPHAN_TIMEOUT``; the
                 client pushes its config to the workers it attaches to, so the default set here
@@ -79,6 +82,12 @@ class OrphanReaper:
     @property
     def pid(self) -> int:
         return self._sidecar.pid
+
+    def cancel_slurm_job_at_exit(self, job_id: str) -> None:
+        """Have the sidecar scancel ``job_id`` when the controller ends (however it ends)."""
+        assert self._sidecar.stdin is not None
+        self._sidecar.stdin.write(f"{job_id}\n".encode())
+        self._sidecar.stdin.flush()
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Reap now (after the run's own close) and wait for the sidecar."""
@@ -164,10 +173,18 @@ def reap(token: str, grace_s: float = REAP_GRACE_S) -> int:
     return len(found)
 
 
+def cancel_slurm_jobs(job_ids: list[str]) -> None:
+    """scancel each job (one that ended already is no error here)."""
+    if job_ids:
+        subprocess.run(["scancel", *job_ids], capture_output=True, timeout=60)
+
+
 def _sidecar_main(token: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the controller's to handle
-    while sys.stdin.buffer.read(4096):  # returns b"" only when the controller is gone
-        pass
+    slurm_job_ids = []
+    for line in sys.stdin.buffer:  # ends only when the controller is gone (EOF)
+        slurm_job_ids.append(line.decode().strip())
+    cancel_slurm_jobs(slurm_job_ids)
     found = reap(token)
     if found:  # stderr is the controller's: its terminal or its log file
         logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
