@@ -201,6 +201,19 @@ def test_task_type_selects_the_class_and_its_typed_settings(tmp_path):
     ("examples.alphabet_sort:AlphabetSrotTask", "task.type: cannot import 'examples.alphabet_sort:"
      "AlphabetSrotTask' (examples.alphabet_sort has no 'AlphabetSrotTask'; did you mean "
      "'AlphabetSortTask'?)"),
+    # a misspelt short name: the short names this package ships
+    ("reasoning_gim", "task.type: expected an import path 'package.module:Class', got "
+                      "'reasoning_gim'; did you mean 'reasoning_gym'?"),
+    ("gym", "task.type: expected an import path 'package.module:Class' or one of "
+            "'reasoning_gym', 'textarena', got 'gym'"),
+    # a file path: the dotted form Python imports it by
+    ("examples/alphabet_sort/task.py:AlphabetSortTask", "task.type: 'examples/alphabet_sort/"
+     "task.py:AlphabetSortTask' is a file path; expected an import path 'package.module:Class'; "
+     "did you mean 'examples.alphabet_sort.task:AlphabetSortTask'?"),
+    ("./examples/alphabet_sort/task.py", "task.type: './examples/alphabet_sort/task.py' is a file "
+     "path; expected an import path 'package.module:Class' (the module "
+     "'examples.alphabet_sort.task', then ':' and the class, e.g. "
+     "'examples.alphabet_sort.task:MyTask')"),
 ])
 def test_bad_task_type_is_one_line_naming_the_key(tmp_path, type_path, message):
     with pytest.raises(ConfigError) as e:
@@ -271,3 +284,13 @@ def test_the_task_class_named_is_the_one_that_runs_or_the_error_says_how():
     assert type(own().build()).__qualname__ == "DeclaresItsOwnConfig"  # the class named runs
     assert import_config_class("examples.running_sum:RunningSumTask", TaskConfig,
                                "task.type") is RunningSumTask.Config
+
+
+def test_a_function_setting_given_as_a_file_path_gets_the_dotted_form():
+    from torchtitan_rl.config.convert import import_function
+
+    with pytest.raises(ConfigError) as e:
+        import_function("examples/guess_the_number/solver.py:binary_search", "task.solver")
+    assert str(e.value) == ("task.solver: 'examples/guess_the_number/solver.py:binary_search' is a "
+                            "file path; expected an import path 'package.module:function'; did you "
+                            "mean 'examples.guess_the_number.solver:binary_search'?")

@@ -130,12 +130,51 @@ def test_config_errors_name_the_key(change: dict[str, Any], message: str) -> Non
         ReasoningGymTask.Config(**change)
 
 
-def test_a_dataset_config_reasoning_gym_refuses_is_one_line() -> None:
-    config = ReasoningGymTask.Config(datasets=[DatasetSpec(name="spell_backward",
-                                                           config={"min_word_lenn": 3})])
-    with pytest.raises(ValueError, match=r"task.datasets \(spell_backward\): reasoning-gym "
-                                         r"refused the config: TypeError: .*min_word_lenn"):
-        config.build()
+@pytest.mark.parametrize(("config", "message"), [
+    ({"min_word": 3}, "datasets[0].config: word_sequence_reversal has no config field 'min_word'; "
+                      "did you mean 'min_words'? its fields: min_words, max_words (python -m "
+                      "torchtitan_rl.envs.reasoning_gym --fields word_sequence_reversal)"),
+    ({"min_words": "3"}, "datasets[0].config.min_words: expected int, got '3' (str)"),
+    ({"min_words": 0}, "datasets[0].config: reasoning-gym's word_sequence_reversal refused it: "
+                       "min_words must be positive"),
+])
+def test_a_dataset_config_reasoning_gym_would_refuse_is_caught_by_the_config(
+        config: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError) as e:
+        ReasoningGymTask.Config(datasets=[DatasetSpec(name="word_sequence_reversal",
+                                                      config=config)])
+    assert str(e.value) == message
+
+
+def test_a_misspelt_dataset_field_stops_the_command_in_one_line_before_a_run_folder(
+        tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from torchtitan_rl.train import cli
+
+    toml = tmp_path / "job.toml"
+    toml.write_text('[task]\ntype = "reasoning_gym"\n[[task.datasets]]\n'
+                    'name = "word_sequence_reversal"\nconfig = { min_word = 3 }\n')
+    with pytest.raises(SystemExit) as e:
+        cli(["--config", str(toml), "--output_dir", str(tmp_path / "runs")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: task: datasets[0].config: word_sequence_reversal has no config field "
+                   "'min_word'; did you mean 'min_words'? its fields: min_words, max_words "
+                   "(python -m torchtitan_rl.envs.reasoning_gym --fields word_sequence_reversal)"]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_module_lists_datasets_and_one_datasets_fields(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert rg_task.main(["--list"]) == 0
+    names = capsys.readouterr().out.split()
+    assert "word_sequence_reversal" in names and names == sorted(names) and len(names) > 100
+    assert rg_task.main(["--fields", "letter_counting"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == ["  min_words = 5  (int)",
+                                                        "  max_words = 15  (int)"]
+    with pytest.raises(SystemExit) as e:
+        rg_task.main(["--fields", "leter_counting"])
+    assert e.value.code == 2
+    assert "did you mean 'letter_counting'?" in capsys.readouterr().err
 
 
 def test_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -111,14 +111,21 @@ def import_config_class(type_path: Any, base: type, path: str) -> type:
     if not isinstance(type_path, str) or not type_path:
         raise ConfigError(f"{path}: expected an import path 'package.module:Class', got "
                           f"{type_path!r}")
-    type_path = getattr(base, "short_type_names", {}).get(type_path, type_path)
+    short_names = getattr(base, "short_type_names", {})
+    type_path = short_names.get(type_path, type_path)
     type_path = current_type_path(type_path)
+    if _looks_like_a_file(type_path):
+        raise ConfigError(f"{path}: {type_path!r} is a file path; expected an import path "
+                          f"'package.module:Class'{_dotted_form(type_path)}")
     module_name, _, qualname = type_path.partition(":")
     if not qualname:
         module_name, _, qualname = type_path.rpartition(".")
     if not module_name or module_name.startswith(".") or not qualname:
-        raise ConfigError(f"{path}: expected an import path 'package.module:Class', got "
-                          f"{type_path!r}")
+        near = difflib.get_close_matches(type_path, list(short_names), n=1, cutoff=0.6)
+        hint = f"; did you mean {near[0]!r}?" if near else (
+            f" or one of {', '.join(map(repr, short_names))}" if short_names else "")
+        raise ConfigError(f"{path}: expected an import path 'package.module:Class'"
+                          f"{'' if near else hint}, got {type_path!r}{hint if near else ''}")
     try:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -151,8 +158,30 @@ def import_config_class(type_path: Any, base: type, path: str) -> type:
     return config_cls
 
 
+def _looks_like_a_file(type_path: str) -> bool:
+    """Whether ``type_path`` names a file (``examples/task.py:Task``, ``task.py``), not a module."""
+    module = type_path.partition(":")[0]
+    return "/" in module or "\\" in module or module.endswith(".py")
+
+
+def _dotted_form(type_path: str) -> str:
+    """``; did you mean 'pkg.mod:Class'?`` for a file path relative to the working directory
+    (the form Python imports it by); "" when no class is named to suggest a whole path for."""
+    file, _, qualname = type_path.partition(":")
+    where = pathlib.Path(file.replace("\\", "/")).with_suffix("")
+    if where.is_absolute() and where.is_relative_to(pathlib.Path.cwd()):
+        where = where.relative_to(pathlib.Path.cwd())
+    module = ".".join(part for part in where.parts if part not in ("", ".", "/"))
+    if not qualname:
+        return f" (the module {module!r}, then ':' and the class, e.g. '{module}:MyTask')"
+    return f"; did you mean '{module}:{qualname}'?"
+
+
 def import_function(path: str, key: str) -> Any:
     """The function a ``package.module:function`` setting names (ConfigError naming ``key``)."""
+    if _looks_like_a_file(path):
+        raise ConfigError(f"{key}: {path!r} is a file path; expected an import path "
+                          f"'package.module:function'{_dotted_form(path)}")
     module_name, _, name = path.partition(":")
     if not module_name or not name:
         raise ConfigError(f"{key}: 'package.module:function' expected, got {path!r}")

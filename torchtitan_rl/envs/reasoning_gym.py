@@ -22,9 +22,13 @@ split's questions.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import difflib
 import hashlib
 import importlib.util
+import types
+import typing
 import warnings
 from typing import Any
 
@@ -37,6 +41,7 @@ MAX_DRAWS = 200
 """Draws per slot before a split gives up finding a question of its own (a dataset whose every
 question hashes into the other split)."""
 _VALIDATION_SEED_OFFSET = 1_000_003
+_TASK_OWNED_FIELDS = ("seed", "size")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -80,6 +85,68 @@ def reply_answer(reply: str, answer_tag: str | None) -> str | None:
     if answer_tag is None:
         return reply.strip()
     return import_reasoning_gym().utils.extract_answer(reply, tag_name=answer_tag)
+
+
+def dataset_fields(name: str) -> dict[str, tuple[Any, Any]]:
+    """The fields of dataset ``name``'s own config dataclass that a ``config`` table may set:
+    {field: (type hint, default)}; ``seed`` and ``size`` are the task's, so they are left out."""
+    config_cls = import_reasoning_gym().factory.DATASETS[name][1]
+    hints = typing.get_type_hints(config_cls)
+    return {f.name: (hints.get(f.name, Any), f.default)
+            for f in dataclasses.fields(config_cls) if f.name not in _TASK_OWNED_FIELDS}
+
+
+def check_dataset_config(name: str, config: dict[str, Any], key: str) -> None:
+    """Raise ValueError naming ``key`` when reasoning-gym would refuse ``config`` for dataset
+    ``name``: a field its config dataclass lacks ("did you mean"), a value of another type, or a
+    value its own ``validate()`` rejects (its assertion's message)."""
+    fields = dataset_fields(name)
+    for field, value in config.items():
+        if field not in fields:
+            near = difflib.get_close_matches(field, list(fields), n=1, cutoff=0.5)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ValueError(f"{key}: {name} has no config field {field!r}; {hint}its fields: "
+                             f"{', '.join(fields) or 'none'} (python -m "
+                             f"torchtitan_rl.envs.reasoning_gym --fields {name})")
+        expected = fields[field][0]
+        if not _is_instance(value, expected):
+            raise ValueError(f"{key}.{field}: expected {_type_name(expected)}, got {value!r} "
+                             f"({type(value).__name__})")
+    config_cls = import_reasoning_gym().factory.DATASETS[name][1]
+    try:
+        dataset_config = config_cls(**config, seed=0, size=1)
+        if hasattr(dataset_config, "validate"):
+            dataset_config.validate()
+    except (AssertionError, TypeError, ValueError, KeyError) as e:
+        message = " ".join(str(e).split()) or type(e).__name__
+        raise ValueError(f"{key}: reasoning-gym's {name} refused it: {message}") from None
+
+
+def _is_instance(value: Any, hint: Any) -> bool:
+    """Whether ``value`` (a TOML value) fits ``hint``; hints other than the plain scalars,
+    their Optional and a tuple/list of them are left to the dataset's own ``validate()``."""
+    if hint is Any:
+        return True
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_instance(value, arg) for arg in args)
+    if hint is type(None):
+        return value is None
+    if origin in (list, tuple):
+        return isinstance(value, list | tuple)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
 class ReasoningGymSplit(EpisodeSplit[ReasoningGymEpisode]):
@@ -186,18 +253,18 @@ class ReasoningGymTask(Configurable):
             known = sorted(import_reasoning_gym().factory.DATASETS)
             for i, spec in enumerate(self.datasets):
                 if spec.name not in known:
-                    import difflib
-
                     near = difflib.get_close_matches(spec.name, known, n=1)
                     hint = f"; did you mean {near[0]!r}?" if near else ""
                     raise ValueError(f"datasets[{i}].name: no reasoning-gym dataset "
-                                     f"{spec.name!r}{hint}")
+                                     f"{spec.name!r}{hint} (python -m "
+                                     f"torchtitan_rl.envs.reasoning_gym --list)")
                 if not spec.weight > 0:
                     raise ValueError(f"datasets[{i}].weight must be > 0, got {spec.weight}")
                 reserved = {"seed", "size"} & set(spec.config)
                 if reserved:
                     raise ValueError(f"datasets[{i}].config: {sorted(reserved)} are the task's "
                                      f"(task.seed, task.num_*_episodes)")
+                check_dataset_config(spec.name, spec.config, f"datasets[{i}].config")
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -249,3 +316,36 @@ class ReasoningGymTask(Configurable):
             messages += [{"role": "user", "content": entry["question"]},
                          {"role": "assistant", "content": answer}]
         return messages
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m torchtitan_rl.envs.reasoning_gym --list | --fields NAME``: the dataset names a
+    ``[[task.datasets]]`` table takes, or one dataset's config fields with their types and
+    defaults (what its ``config`` table may set)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m torchtitan_rl.envs.reasoning_gym",
+        description="reasoning-gym's datasets, for [[task.datasets]] tables (docs/environments.md)")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--list", action="store_true", help="every dataset name, one a line")
+    what.add_argument("--fields", metavar="NAME", help="the config fields of dataset NAME")
+    args = parser.parse_args(argv)
+    known = sorted(import_reasoning_gym().factory.DATASETS)
+    if args.list:
+        print("\n".join(known))
+        return 0
+    if args.fields not in known:
+        near = difflib.get_close_matches(args.fields, known, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        parser.exit(2, f"error: no reasoning-gym dataset {args.fields!r}{hint} (--list lists "
+                       f"them)\n")
+    config_cls = import_reasoning_gym().factory.DATASETS[args.fields][1]
+    doc = (config_cls.__doc__ or "").strip().splitlines()
+    lines = [f"{args.fields}: {doc[0]}" if doc else args.fields]
+    lines += [f"  {field} = {default!r}  ({_type_name(hint)})"
+              for field, (hint, default) in dataset_fields(args.fields).items()]
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
