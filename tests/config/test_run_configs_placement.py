@@ -51,6 +51,15 @@ def _check_slurm(placement: dict, printed: dict) -> None:
     assert printed["generator"]["dtype"] == "bfloat16"  # the GPU config's values came along
 
 
+def _check_slurm_cpu(placement: dict, printed: dict) -> None:
+    """The main job on the project's own cluster (scripts/slurm_cluster.py): the main job's
+    values, on nodes."""
+    assert placement["slurm"]["log_dir"] == "runs/slurm" and placement["slurm"]["partition"] == ""
+    assert placement["trainer_hosts"] == 1 and placement["generators_per_host"] == 1
+    assert printed["num_generators"] == 2 and printed["loop"]["num_steps"] == 60
+    assert printed["task"]["type"].endswith(":AlphabetSortTask")
+
+
 def _check_kubernetes(placement: dict, printed: dict) -> None:
     k8s = placement["kubernetes"]
     assert k8s["namespace"] == "rl" and k8s["port"] == 26600
@@ -63,6 +72,7 @@ RUN_CONFIGS = {
     "run_configs/alphabet_sort_process_hosts.toml": ("process", _check_process),
     "run_configs/alphabet_sort_attach.toml": ("attach", _check_attach),
     "run_configs/qwen3_0.6b_slurm.toml": ("slurm", _check_slurm),
+    "run_configs/alphabet_sort_slurm.toml": ("slurm", _check_slurm_cpu),
     "run_configs/qwen3_0.6b_kubernetes.toml": ("kubernetes", _check_kubernetes),
 }
 
