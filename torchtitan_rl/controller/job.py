@@ -290,6 +290,7 @@ class RLJob(Configurable):
         if plan.checkpoint.export_hf:
             await parts.trainer.export_hf(run_dir / "hf")
         _plot(state, run_dir)
+        parts.recorder.write_viewer()
 
 
 @contextlib.asynccontextmanager

@@ -1,19 +1,23 @@
 """RolloutRecorder: every K steps, append the step's rollouts as JSON lines for a human to read.
 
 One line per rollout: step, ids, status, reward, advantage, the first prompt's text, the last
-completion's text, and per turn what was added to the prompt, the completion, its reward parts,
-and (per-turn credit) its reward and advantage.
+completion's text, and per turn what was added to the prompt, the completion (whole, and token by
+token with the generator's logprob of each sampled token, rounded to 4 decimals), its reward parts,
+and (per-turn credit) its reward and advantage. ``write_viewer`` turns the file into the run's
+rollout viewer page (metrics/rollout_viewer.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import pathlib
 from dataclasses import dataclass
 from typing import Any
 
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.metrics.rollout_viewer import write_viewer
 from torchtitan_rl.rollout.types import Rollout, RolloutGroup
 
 logger = logging.getLogger(__name__)
@@ -30,19 +34,27 @@ class RolloutRecorder(Configurable):
         """JSONL file, relative to the run directory (parents are created)."""
         max_groups_per_step: int | None = None
         """Most groups recorded per step (the first ones); None records all."""
+        viewer_path: str | None = "rollout_viewer.html"
+        """The rollout viewer, one HTML page of the recorded rollouts to open in a browser,
+        relative to the run directory; rewritten after each recorded step and at the run's end.
+        None: not written (`python -m torchtitan_rl.metrics.rollout_viewer RUN_DIR` writes it
+        from the run folder at any time)."""
 
         def __post_init__(self) -> None:
             if self.every_k_steps < 0:
                 raise ValueError(f"every_k_steps must be >= 0, got {self.every_k_steps}")
-            if pathlib.PurePath(self.path).is_absolute():
-                raise ValueError(f"path must be relative to the run directory, got {self.path}")
+            for name in ("path", "viewer_path"):
+                value = getattr(self, name)
+                if value is not None and pathlib.PurePath(value).is_absolute():
+                    raise ValueError(f"{name} must be relative to the run directory, got {value}")
             if self.max_groups_per_step is not None and self.max_groups_per_step < 1:
                 raise ValueError(
                     f"max_groups_per_step must be >= 1 or None, got {self.max_groups_per_step}")
 
     def __init__(self, config: Config, *, run_dir: str | pathlib.Path) -> None:
         self.config = config
-        self.path = pathlib.Path(run_dir) / config.path
+        self.run_dir = pathlib.Path(run_dir)
+        self.path = self.run_dir / config.path
 
     def maybe_record(self, step: int, groups: list[RolloutGroup], tokenizer: Any) -> bool:
         """Append this step's rollouts when ``step`` is a multiple of every_k_steps; True if written."""
@@ -57,7 +69,16 @@ class RolloutRecorder(Configurable):
                 for rollout in group.rollouts:
                     f.write(json.dumps(_record(step, group, rollout, tokenizer)) + "\n")
         logger.info("recorded %d groups of step %d to %s", len(chosen), step, self.path)
+        self.write_viewer()  # the page follows the run: rewritten whole, at the recording's pace
         return True
+
+    def write_viewer(self) -> pathlib.Path | None:
+        """(Re)write the rollout viewer page from the recorded rollouts; its path, or None when
+        ``viewer_path`` is None or nothing is recorded (every_k_steps = 0)."""
+        if self.config.viewer_path is None or self.config.every_k_steps == 0:
+            return None
+        return write_viewer(self.run_dir, rollouts_path=self.config.path,
+                            viewer_path=self.config.viewer_path)
 
 
 def _record(step: int, group: RolloutGroup, rollout: Rollout, tokenizer: Any) -> dict[str, Any]:
@@ -70,6 +91,10 @@ def _record(step: int, group: RolloutGroup, rollout: Rollout, tokenizer: Any) ->
             "prompt_added_text": tokenizer.decode(added, skip_special_tokens=False),
             "completion_text": tokenizer.decode(turn.completion_token_ids,
                                                 skip_special_tokens=False),
+            "completion_tokens": tokenizer.batch_decode(
+                [[token] for token in turn.completion_token_ids], skip_special_tokens=False),
+            "completion_logprobs": [round(x, 4) if math.isfinite(x) else None
+                                    for x in turn.completion_logprobs],
             "finish_reason": turn.finish_reason,
             "num_prompt_tokens": len(prompt),
             "num_completion_tokens": len(turn.completion_token_ids),

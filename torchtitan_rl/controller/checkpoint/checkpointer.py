@@ -48,8 +48,8 @@ logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _RUN_OUTPUTS = ("checkpoints", "tensorboard", "metrics.jsonl", "rollouts", "hf",
-                "reward_curve.png", "summary.json", "trained_samples.jsonl", "wandb", "mlflow.db",
-                "tracker_runs.json")
+                "reward_curve.png", "rollout_viewer.html", "summary.json", "trained_samples.jsonl",
+                "wandb", "mlflow.db", "tracker_runs.json")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -77,6 +77,8 @@ class ControllerState:
     """Every group consumed by a training step so far, in order (for the loses-nothing proof)."""
     replaced_group_ids: list[int] = dataclasses.field(default_factory=list)
     """Groups dropped without a signal and replaced by new ones (``loop.replace_dropped_groups``)."""
+    untrained_steps: list[int] = dataclasses.field(default_factory=list)
+    """The steps that trained nothing (no training sample, or a skipped update: run_health.py)."""
     reward_history: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     validation_history: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
     """(step, reward mean, stderr)."""

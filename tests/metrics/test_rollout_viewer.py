@@ -1,0 +1,107 @@
+"""The rollout viewer's page, without a browser: what the recorder keeps for it (each token and
+its generator logprob), what the page embeds (every recorded rollout, the step metrics, the
+summary), that no text a model wrote can break out of the page's script, that unreadable lines are
+counted, and the command that rewrites it. The page in a real browser: tests/metrics/
+rollout_viewer_browser.py, on the multi-turn job's run (test_controller_multi_turn_job.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import re
+
+import pytest
+
+from tests.rollout.rollout_testlib import tiny_tokenizer
+from torchtitan_rl.metrics.rollout_viewer import main, write_viewer
+from torchtitan_rl.rollout import RolloutRecorder, RolloutStatus
+from torchtitan_rl.rollout.types import Rollout, RolloutGroup, RolloutTurn
+
+HOSTILE_TEXT = "</script><script>document.title='pwned'</script><!--"
+"""A completion that would end the page's data script if it were embedded unescaped."""
+
+
+def _embedded(page: pathlib.Path) -> dict:
+    match = re.search(r'<script id="data" type="application/json">(.*?)</script>',
+                      page.read_text(), re.S)
+    assert match is not None
+    return json.loads(match.group(1))
+
+
+def _group(tokenizer) -> RolloutGroup:  # type: ignore[no-untyped-def]
+    ids = tokenizer.encode(" sorted: Ann, Bob", add_special_tokens=False)
+    turn = RolloutTurn(
+        turn_index=0, request_id="group=3/rollout=0/turn=0", prompt_token_ids=[1, 2, 3],
+        completion_token_ids=ids, completion_logprobs=[-0.123456] * (len(ids) - 1) + [math.nan],
+        policy_versions=[0] * len(ids), finish_reason="stop",
+        reward_parts={"turn_score": 0.5}, reward=0.5, advantage=0.25)
+    rollouts = [Rollout(group_id=3, rollout_index=i, status=status, turns=[turn], reward=reward,
+                        advantage=reward - 0.5)
+                for i, (status, reward) in enumerate([(RolloutStatus.COMPLETED, 1.0),
+                                                      (RolloutStatus.TRUNCATED_LENGTH, 0.0)])]
+    return RolloutGroup(group_id=3, episode={"episode_id": "train/7"}, rollouts=rollouts)
+
+
+def test_recorder_keeps_each_token_and_its_generator_logprob_and_writes_the_viewer(tmp_path):
+    tokenizer = tiny_tokenizer()
+    group = _group(tokenizer)
+    recorder = RolloutRecorder.Config(every_k_steps=1).build(run_dir=tmp_path)
+    assert recorder.write_viewer() == tmp_path / "rollout_viewer.html"  # before any: an empty page
+    assert _embedded(tmp_path / "rollout_viewer.html")["rollouts"] == []
+    assert recorder.maybe_record(0, [group], tokenizer)
+    line = json.loads((tmp_path / "rollouts" / "rollouts.jsonl").read_text().splitlines()[0])
+    turn = line["turns"][0]
+    ids = group.rollouts[0].turns[0].completion_token_ids
+    assert len(turn["completion_tokens"]) == len(ids) == len(turn["completion_logprobs"])
+    assert "".join(turn["completion_tokens"]) == turn["completion_text"] == " sorted: Ann, Bob"
+    assert turn["completion_logprobs"] == [-0.1235] * (len(ids) - 1) + [None]  # NaN: None
+
+    page = recorder.write_viewer()
+    assert page == tmp_path / "rollout_viewer.html"
+    data = _embedded(page)
+    assert [r["sample_id"] for r in data["rollouts"]] == ["group=3/rollout=0", "group=3/rollout=1"]
+    assert data["rollouts"][0]["turns"][0] == turn
+    assert RolloutRecorder.Config(viewer_path=None).build(run_dir=tmp_path).write_viewer() is None
+    assert RolloutRecorder.Config(every_k_steps=0).build(run_dir=tmp_path).write_viewer() is None
+
+
+def test_viewer_embeds_rollouts_step_metrics_and_summary_and_escapes_model_text(tmp_path):
+    record = {"step": 0, "sample_id": "group=0/rollout=0", "group_id": 0, "status": "completed",
+              "reward": 1.0, "advantage": 0.5, "num_turns": 1,
+              "turns": [{"completion_text": HOSTILE_TEXT, "reward_parts": {}}]}
+    (tmp_path / "rollouts").mkdir()
+    (tmp_path / "rollouts" / "rollouts.jsonl").write_text(
+        json.dumps(record) + "\n" + '{"step": 10, "sample_id": "cut sho')  # a killed run's line
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"step": 0, "rollout_reward/mean": 0.25, "loss/entropy_mean": math.nan,
+                    "not/shown": 1.0}) + "\n" + json.dumps({"step": 0, "time/step_s": 2.0}) + "\n")
+    (tmp_path / "summary.json").write_text(json.dumps({"reward_before": 0.1, "rise": 0.2,
+                                                       "run_dir": "elsewhere"}))
+    page = write_viewer(tmp_path)
+    text = page.read_text()
+    assert text.count("</script>") == 2  # the page's data and code, no other
+    assert HOSTILE_TEXT not in text
+    data = _embedded(page)
+    assert data["rollouts"] == [record]  # the text itself is intact
+    assert data["num_skipped_lines"] == 1
+    assert data["step_metrics"] == {"0": {"rollout_reward/mean": 0.25, "loss/entropy_mean": None,
+                                          "time/step_s": 2.0}}
+    assert data["summary"] == {"reward_before": 0.1, "rise": 0.2}
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_viewer_command_rewrites_the_page_and_names_what_is_missing(tmp_path, capsys):
+    assert main([str(tmp_path / "nowhere")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    assert main([str(tmp_path)]) == 2
+    assert "no recorded rollouts at" in capsys.readouterr().err
+    (tmp_path / "rec").mkdir()
+    (tmp_path / "rec" / "r.jsonl").write_text(json.dumps({"step": 0, "turns": []}) + "\n")
+    assert main([str(tmp_path), "--rollouts", "rec/r.jsonl", "--out", "view.html"]) == 0
+    assert _embedded(tmp_path / "view.html")["rollouts"] == [{"step": 0, "turns": []}]
+
+
+def test_recorder_config_refuses_an_absolute_viewer_path():
+    with pytest.raises(ValueError, match="viewer_path must be relative to the run directory"):
+        RolloutRecorder.Config(viewer_path="/tmp/page.html")

@@ -1,0 +1,473 @@
+"""The rollout viewer: a run's recorded rollouts as one self-contained HTML page.
+
+    rollouts/rollouts.jsonl (RolloutRecorder) + metrics.jsonl + summary.json
+        --write_viewer(run_dir)--> run_dir/rollout_viewer.html (inline CSS, JS and data)
+
+The page needs no server and no network: open it from the run folder (file://). It shows the
+recorded rollouts step by step and group by group: every turn (the prompt text the turn added, the
+completion), each turn's reward parts, reward and advantage, the rollout's status, reward and
+advantage; the completion's tokens coloured by their advantage or by the generator's logprob of
+the sampled token; filters by step, status, reward and text; a second step side by side. The
+filters live in the page's URL (``#step=10&compare=20&status=completed``), so a link or a
+bookmark reopens the same view.
+
+The training loop rewrites it at each checkpoint and at the run's end (``recorder.viewer_path``);
+for an existing run folder::
+
+    python -m torchtitan_rl.metrics.rollout_viewer runs/<name>
+
+Every value the page shows comes from the files the run already writes; the trainer's own
+per-token logprobs are not kept (only their step-level gap to the generator's, in the metrics,
+which the page shows in each step's header).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import pathlib
+import sys
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ROLLOUTS_PATH = "rollouts/rollouts.jsonl"
+DEFAULT_VIEWER_PATH = "rollout_viewer.html"
+
+STEP_METRICS = (
+    "rollout_reward/mean",
+    "rollout_reward/std",
+    "validation/reward_mean",
+    "loss/trainer_minus_generator_logprob_mean",
+    "loss/trainer_generator_abs_logprob_diff_mean",
+    "loss/trainer_generator_abs_logprob_diff_max",
+    "loss/entropy_mean",
+    "time/step_s",
+)
+"""The per-step metrics shown in each step's header (those the run logged)."""
+
+SUMMARY_KEYS = ("reward_before", "reward_after", "rise", "rise_z", "steps", "wall_s")
+"""The summary.json values shown in the page's title bar (those present)."""
+
+
+def read_jsonl(path: pathlib.Path) -> tuple[list[dict[str, Any]], int]:
+    """The JSON objects of ``path`` (none when it does not exist) and the number of lines that
+    were not one (a line cut short by a killed run): those are skipped, counted and logged."""
+    if not path.exists():
+        return [], 0
+    records, num_bad = [], 0
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            num_bad += 1
+            logger.warning("%s line %d skipped: not JSON (%s)", path, number, e)
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            num_bad += 1
+            logger.warning("%s line %d skipped: not a JSON object", path, number)
+    return records, num_bad
+
+
+def read_step_metrics(path: pathlib.Path) -> dict[int, dict[str, float]]:
+    """{step: the `STEP_METRICS` it logged} from metrics.jsonl (later lines of a step win)."""
+    by_step: dict[int, dict[str, float]] = {}
+    for record in read_jsonl(path)[0]:
+        step = record.get("step")
+        if isinstance(step, int):
+            by_step.setdefault(step, {}).update(
+                {key: record[key] for key in STEP_METRICS if key in record})
+    return {step: values for step, values in by_step.items() if values}
+
+
+def viewer_data(run_dir: pathlib.Path, rollouts_path: str = DEFAULT_ROLLOUTS_PATH
+                ) -> dict[str, Any]:
+    """What the page embeds: the run's name, its summary values, the step metrics and every
+    recorded rollout (in file order: step, group, rollout)."""
+    rollouts, num_bad = read_jsonl(run_dir / rollouts_path)
+    summary_path = run_dir / "summary.json"
+    summary: dict[str, Any] = {}
+    if summary_path.exists():
+        try:
+            loaded = json.loads(summary_path.read_text(encoding="utf-8"))
+            summary = {key: loaded[key] for key in SUMMARY_KEYS if key in loaded}
+        except json.JSONDecodeError as e:
+            logger.warning("%s skipped: not JSON (%s)", summary_path, e)
+    return {
+        "run_name": run_dir.resolve().name,
+        "rollouts_path": rollouts_path,
+        "summary": summary,
+        "step_metrics": {str(step): values for step, values in
+                         sorted(read_step_metrics(run_dir / "metrics.jsonl").items())},
+        "rollouts": rollouts,
+        "num_skipped_lines": num_bad,
+    }
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None (JSON.parse refuses NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(v) for key, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def render_page(data: dict[str, Any]) -> str:
+    """The HTML page with ``data`` embedded as JSON (``<`` escaped, so no text a model wrote can
+    close the script element)."""
+    payload = json.dumps(_finite(data), ensure_ascii=False, separators=(",", ":"),
+                         allow_nan=False).replace("<", "\\u003c")
+    return _PAGE.replace("/*DATA*/", payload)
+
+
+def write_viewer(run_dir: str | pathlib.Path, *, rollouts_path: str = DEFAULT_ROLLOUTS_PATH,
+                 viewer_path: str = DEFAULT_VIEWER_PATH) -> pathlib.Path:
+    """(Re)write the page from the run folder's files; returns its path. The file is replaced
+    whole (written beside it, then renamed), so a browser never reads half a page."""
+    run_dir = pathlib.Path(run_dir)
+    out = run_dir / viewer_path
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = viewer_data(run_dir, rollouts_path)
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(render_page(data), encoding="utf-8")
+    os.replace(partial, out)
+    logger.info("rollout viewer: %d rollouts in %s", len(data["rollouts"]), out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m torchtitan_rl.metrics.rollout_viewer",
+        description="(Re)write a run folder's rollout viewer, one HTML page to open in a browser.")
+    parser.add_argument("run_dir", type=pathlib.Path, help="the run folder (runs/<name>)")
+    parser.add_argument("--rollouts", default=DEFAULT_ROLLOUTS_PATH,
+                        help="the recorded rollouts, relative to the run folder "
+                             "(recorder.path; default %(default)s)")
+    parser.add_argument("--out", default=DEFAULT_VIEWER_PATH,
+                        help="the page, relative to the run folder (default %(default)s)")
+    args = parser.parse_args(argv)
+    if not args.run_dir.is_dir():
+        print(f"rollout_viewer: {args.run_dir} is not a folder", file=sys.stderr)
+        return 2
+    if not (args.run_dir / args.rollouts).exists():
+        print(f"rollout_viewer: no recorded rollouts at {args.run_dir / args.rollouts} "
+              f"(recorder.every_k_steps = 0? another recorder.path? pass --rollouts)",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(write_viewer(args.run_dir, rollouts_path=args.rollouts, viewer_path=args.out))
+    return 0
+
+
+_PAGE = r"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,">
+<title>rollouts</title>
+<style>
+  body { font: 13px/1.4 system-ui, sans-serif; margin: 0; color: #1d1d1f; background: #f4f4f6; }
+  header { position: sticky; top: 0; z-index: 2; background: #fff; border-bottom: 1px solid #ccc;
+           padding: 6px 12px; }
+  header h1 { font-size: 15px; margin: 0 12px 4px 0; display: inline-block; }
+  #summary { color: #555; }
+  #controls { display: flex; flex-wrap: wrap; gap: 6px 14px; align-items: center; margin-top: 4px; }
+  #controls label { white-space: nowrap; }
+  #controls input[type=number] { width: 5em; }
+  #count { color: #555; margin-left: auto; }
+  #legend span { display: inline-block; padding: 0 4px; border-radius: 2px; }
+  main { display: flex; gap: 10px; padding: 10px; align-items: flex-start; }
+  .column { flex: 1 1 0; min-width: 0; }
+  .column > h2 { font-size: 14px; margin: 0 0 6px; }
+  .step { margin-bottom: 14px; }
+  .step > h3 { font-size: 13px; margin: 8px 0 4px; padding: 4px 6px; background: #e2e6ee;
+               border-radius: 3px; }
+  .step-metrics { font-weight: normal; color: #444; }
+  .group { margin: 6px 0 2px; color: #555; font-size: 12px; }
+  .rollout { background: #fff; border: 1px solid #d6d6da; border-radius: 4px; margin: 4px 0;
+             padding: 4px 8px; }
+  .rollout-head { display: flex; flex-wrap: wrap; gap: 4px 12px; }
+  .status { padding: 0 5px; border-radius: 3px; background: #ddd; }
+  .status.completed { background: #cfeccf; }
+  .status.truncated_length, .status.truncated_max_turns { background: #f6e3b4; }
+  .status.error_timeout, .status.error_env, .status.error_abort { background: #f4c2c2; }
+  .turn { border-left: 3px solid #c9cfdc; margin: 4px 0 2px; padding-left: 6px; }
+  .turn-head { color: #555; font-size: 12px; }
+  pre { white-space: pre-wrap; word-break: break-word; margin: 2px 0; font: 12px/1.45 ui-monospace,
+        monospace; }
+  .prompt { color: #666; }
+  .completion .tok { border-radius: 2px; }
+  details > summary { cursor: pointer; color: #666; font-size: 12px; }
+  .error { color: #a00; }
+  .more { margin: 6px 0; }
+  .empty { color: #777; padding: 12px; }
+</style>
+</head>
+<body>
+<header>
+  <h1 id="title">rollouts</h1><span id="summary"></span>
+  <div id="controls">
+    <label>step <select id="step"></select></label>
+    <label>side by side with <select id="compare"></select></label>
+    <label>status <select id="status"></select></label>
+    <label>reward from <input id="reward-min" type="number" step="any"></label>
+    <label>to <input id="reward-max" type="number" step="any"></label>
+    <label>text <input id="text" type="search" placeholder="in completions"></label>
+    <label>colour tokens by <select id="colour">
+      <option value="advantage">advantage</option>
+      <option value="logprob">generator logprob</option>
+      <option value="none">nothing</option>
+    </select></label>
+    <label><input id="prompts" type="checkbox"> prompts open</label>
+    <span id="legend"></span>
+    <span id="count"></span>
+  </div>
+</header>
+<main id="columns"></main>
+<script id="data" type="application/json">/*DATA*/</script>
+<script>
+"use strict";
+const DATA = JSON.parse(document.getElementById("data").textContent);
+const ROLLOUTS = DATA.rollouts;
+const PAGE_SIZE = 200;  // rollouts drawn per column before a "show more" button
+const $ = (id) => document.getElementById(id);
+const STEPS = [...new Set(ROLLOUTS.map((r) => r.step))].sort((a, b) => a - b);
+const STATUSES = [...new Set(ROLLOUTS.map((r) => r.status))].sort();
+
+function el(tag, cls, text) {
+  const node = document.createElement(tag);
+  if (cls) node.className = cls;
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  return node;
+}
+function fmt(x, digits = 3) {
+  return x === null || x === undefined ? "n/a" : (typeof x === "number" ? x.toFixed(digits) : String(x));
+}
+function option(select, value, label) {
+  const o = el("option", null, label); o.value = value; select.appendChild(o);
+}
+
+// ---- controls <-> URL hash ------------------------------------------------------------------
+function fillControls() {
+  option($("step"), "all", "all steps");
+  option($("compare"), "", "(none)");
+  for (const s of STEPS) { option($("step"), String(s), String(s)); option($("compare"), String(s), String(s)); }
+  option($("status"), "all", "any");
+  for (const s of STATUSES) option($("status"), s, s);
+}
+const FIELDS = { step: "step", compare: "compare", status: "status", rmin: "reward-min",
+                 rmax: "reward-max", text: "text", colour: "colour" };
+function readHash() {
+  const params = new URLSearchParams(location.hash.slice(1));
+  for (const [key, id] of Object.entries(FIELDS)) {
+    if (!params.has(key)) continue;
+    const value = params.get(key), input = $(id);
+    if (input.tagName === "SELECT" && ![...input.options].some((o) => o.value === value)) continue;
+    input.value = value;
+  }
+  $("prompts").checked = params.get("prompts") === "1";
+}
+function writeHash() {
+  const params = new URLSearchParams();
+  for (const [key, id] of Object.entries(FIELDS)) {
+    const value = $(id).value;
+    const isDefault = (key === "step" && value === "all") || (key === "status" && value === "all") ||
+      (key === "colour" && value === "advantage") || value === "";
+    if (!isDefault) params.set(key, value);
+  }
+  if ($("prompts").checked) params.set("prompts", "1");
+  history.replaceState(null, "", "#" + params.toString());
+}
+function filters() {
+  const num = (id) => ($(id).value === "" ? null : Number($(id).value));
+  return { status: $("status").value, rmin: num("reward-min"), rmax: num("reward-max"),
+           text: $("text").value.toLowerCase() };
+}
+function keep(r, f) {
+  if (f.status !== "all" && r.status !== f.status) return false;
+  if (f.rmin !== null && !(r.reward >= f.rmin)) return false;
+  if (f.rmax !== null && !(r.reward <= f.rmax)) return false;
+  if (f.text) {
+    const texts = (r.turns || []).map((t) => t.completion_text || "").join("\n").toLowerCase();
+    if (!texts.includes(f.text)) return false;
+  }
+  return true;
+}
+
+// ---- colours --------------------------------------------------------------------------------
+function advantageColour(a) {
+  if (a === null || a === undefined) return "";
+  const x = Math.max(-1, Math.min(1, a / 2));
+  return x >= 0 ? `rgba(40, 160, 60, ${0.12 + 0.6 * x})` : `rgba(210, 50, 50, ${0.12 - 0.6 * x})`;
+}
+function logprobColour(lp) {
+  if (lp === null || lp === undefined) return "rgba(120, 120, 120, 0.35)";
+  const x = Math.min(1, -lp / 5);  // 0: the generator was sure; 1: logprob <= -5
+  return `rgba(240, 140, 20, ${0.05 + 0.75 * x})`;
+}
+function drawLegend() {
+  const legend = $("legend"); legend.replaceChildren();
+  const mode = $("colour").value;
+  const add = (text, colour) => { const s = el("span", null, text); s.style.background = colour; legend.appendChild(s); };
+  if (mode === "advantage") { add("A = -2", advantageColour(-2)); add("0", advantageColour(0)); add("+2", advantageColour(2)); }
+  if (mode === "logprob") { add("logprob 0", logprobColour(0)); add("-2.5", logprobColour(-2.5)); add("<= -5", logprobColour(-5)); }
+}
+
+// ---- one rollout ----------------------------------------------------------------------------
+function drawCompletion(turn, advantage, mode) {
+  const pre = el("pre", "completion");
+  const tokens = turn.completion_tokens;
+  if (!Array.isArray(tokens)) {  // a run recorded before tokens were kept
+    pre.textContent = turn.completion_text;
+    if (mode === "advantage") pre.style.background = advantageColour(advantage);
+    return pre;
+  }
+  const logprobs = turn.completion_logprobs || [];
+  tokens.forEach((text, i) => {
+    const span = el("span", "tok", text);
+    const lp = logprobs[i];
+    span.title = `token ${i}: ${JSON.stringify(text)}  generator logprob ${fmt(lp)}  advantage ${fmt(advantage)}`;
+    if (mode === "advantage") span.style.background = advantageColour(advantage);
+    else if (mode === "logprob") span.style.background = logprobColour(lp);
+    pre.appendChild(span);
+  });
+  return pre;
+}
+function drawRollout(r, mode, promptsOpen) {
+  const box = el("div", "rollout");
+  box.dataset.step = r.step; box.dataset.status = r.status; box.dataset.reward = r.reward;
+  box.dataset.sampleId = r.sample_id;
+  const head = el("div", "rollout-head");
+  head.appendChild(el("b", null, r.sample_id));
+  head.appendChild(el("span", "status " + r.status, r.status));
+  head.appendChild(el("span", null, "reward " + fmt(r.reward)));
+  head.appendChild(el("span", null, "advantage " + (r.advantage === null ? "none (not trained)" : fmt(r.advantage))));
+  head.appendChild(el("span", null, `${r.num_turns} turn${r.num_turns === 1 ? "" : "s"}`));
+  box.appendChild(head);
+  if (r.error) box.appendChild(el("div", "error", r.error));
+  (r.turns || []).forEach((t, i) => {
+    const turn = el("div", "turn");
+    const advantage = t.advantage ?? r.advantage;
+    const parts = Object.entries(t.reward_parts || {}).map(([k, v]) => `${k} ${fmt(v)}`).join(", ");
+    let line = `turn ${i}: ${t.num_completion_tokens} tokens, ${t.finish_reason}`;
+    if (parts) line += ` · reward parts: ${parts}`;
+    if (t.reward !== null && t.reward !== undefined) line += ` · turn reward ${fmt(t.reward)}`;
+    if (t.advantage !== null && t.advantage !== undefined) line += ` · turn advantage ${fmt(t.advantage)}`;
+    if (t.drift) line += " · drift";
+    turn.appendChild(el("div", "turn-head", line));
+    const prompt = el("details");
+    prompt.open = promptsOpen;
+    prompt.appendChild(el("summary", null, `prompt added (${t.num_prompt_tokens} prompt tokens in all)`));
+    prompt.appendChild(el("pre", "prompt", t.prompt_added_text));
+    turn.appendChild(prompt);
+    turn.appendChild(drawCompletion(t, advantage, mode));
+    box.appendChild(turn);
+  });
+  return box;
+}
+
+// ---- columns --------------------------------------------------------------------------------
+function stepHeader(step) {
+  const h = el("h3", null, `step ${step} `);
+  const m = DATA.step_metrics[String(step)] || {};
+  const bits = [];
+  if ("rollout_reward/mean" in m) bits.push(`reward mean ${fmt(m["rollout_reward/mean"])}`);
+  if ("rollout_reward/std" in m) bits.push(`std ${fmt(m["rollout_reward/std"])}`);
+  if ("loss/trainer_generator_abs_logprob_diff_mean" in m)
+    bits.push(`|trainer - generator logprob| mean ${fmt(m["loss/trainer_generator_abs_logprob_diff_mean"], 4)}` +
+              ` max ${fmt(m["loss/trainer_generator_abs_logprob_diff_max"], 4)}`);
+  if ("loss/entropy_mean" in m) bits.push(`entropy ${fmt(m["loss/entropy_mean"])}`);
+  if ("validation/reward_mean" in m) bits.push(`validation ${fmt(m["validation/reward_mean"])}`);
+  if ("time/step_s" in m) bits.push(`${fmt(m["time/step_s"], 1)} s`);
+  h.appendChild(el("span", "step-metrics", bits.join(" · ")));
+  return h;
+}
+function drawColumn(title, steps, f, mode, promptsOpen) {
+  const column = el("section", "column");
+  column.appendChild(el("h2", null, title));
+  const chosen = ROLLOUTS.filter((r) => steps.includes(r.step) && keep(r, f));
+  let drawn = 0, stepBox = null, lastStep = null, lastGroup = null;
+  function drawMore() {
+    const end = Math.min(chosen.length, drawn + PAGE_SIZE);
+    for (; drawn < end; drawn++) {
+      const r = chosen[drawn];
+      if (r.step !== lastStep) {
+        stepBox = el("div", "step"); stepBox.dataset.step = r.step;
+        stepBox.appendChild(stepHeader(r.step)); column.insertBefore(stepBox, more);
+        lastStep = r.step; lastGroup = null;
+      }
+      if (r.group_id !== lastGroup) {
+        let text = `group ${r.group_id}`;
+        if (r.episode_id !== null && r.episode_id !== undefined) text += ` · episode ${r.episode_id}`;
+        if (r.group_dropped) text += ` · dropped (${r.group_dropped}): not trained`;
+        stepBox.appendChild(el("div", "group", text));
+        lastGroup = r.group_id;
+      }
+      stepBox.appendChild(drawRollout(r, mode, promptsOpen));
+    }
+    more.hidden = drawn >= chosen.length;
+    more.textContent = `show ${Math.min(PAGE_SIZE, chosen.length - drawn)} more of ${chosen.length - drawn}`;
+  }
+  const more = el("button", "more"); more.addEventListener("click", drawMore);
+  column.appendChild(more);
+  if (!chosen.length) column.insertBefore(el("div", "empty", "no rollout matches the filters"), more);
+  drawMore();
+  return [column, chosen.length];
+}
+function render() {
+  writeHash(); drawLegend();
+  const f = filters(), mode = $("colour").value, promptsOpen = $("prompts").checked;
+  let step = $("step").value;
+  const compare = $("compare").value;
+  if (compare !== "" && step === "all" && STEPS.length) step = String(STEPS[0]);
+  const columns = $("columns"); columns.replaceChildren();
+  const [a, numA] = drawColumn(step === "all" ? "all steps" : `step ${step}`,
+                               step === "all" ? STEPS : [Number(step)], f, mode, promptsOpen);
+  columns.appendChild(a);
+  let shown = numA;
+  if (compare !== "") {
+    const [b, numB] = drawColumn(`step ${compare}`, [Number(compare)], f, mode, promptsOpen);
+    columns.appendChild(b); shown += numB;
+  }
+  $("count").textContent = `${shown} of ${ROLLOUTS.length} rollouts`;
+}
+function main() {
+  document.title = `rollouts: ${DATA.run_name}`;
+  $("title").textContent = `${DATA.run_name}: recorded rollouts`;
+  const s = DATA.summary, bits = [];
+  if ("reward_before" in s) bits.push(`reward before ${fmt(s.reward_before)}`);
+  if ("reward_after" in s) bits.push(`after ${fmt(s.reward_after)}`);
+  if ("rise" in s) bits.push(`rise ${fmt(s.rise)} (z ${fmt(s.rise_z, 1)})`);
+  if ("steps" in s) bits.push(`${s.steps} steps`);
+  if (DATA.num_skipped_lines) bits.push(`${DATA.num_skipped_lines} unreadable lines skipped`);
+  $("summary").textContent = bits.join(" · ");
+  fillControls(); readHash();
+  if (!ROLLOUTS.length) {
+    $("columns").appendChild(el("div", "empty", `no rollouts recorded yet in ${DATA.rollouts_path}`));
+    $("count").textContent = "0 rollouts";
+    return;
+  }
+  for (const id of ["step", "compare", "status", "colour", "prompts"]) $(id).addEventListener("change", render);
+  for (const id of ["reward-min", "reward-max", "text"]) $(id).addEventListener("input", render);
+  render();
+}
+main();
+</script>
+</body>
+</html>
+"""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
