@@ -129,7 +129,7 @@ class EpisodeCapture:
         """Generate a completion of raw ``prompt_ids``."""
         self._check_open()
         self._last_chat = None  # a chat call after this one renders its history anew
-        completion, text, _ = await self._generate(list(prompt_ids), max_tokens)
+        completion, text, _ = await self._generate(list(prompt_ids), max_tokens, param="prompt")
         return completion, text
 
     def end(self) -> None:
@@ -156,8 +156,9 @@ class EpisodeCapture:
         if self.status is None:
             self.status, self.error = status, why
 
-    async def _generate(self, prompt_ids: list[int],
-                        max_tokens: int | None) -> tuple[Completion, str, RolloutTurn]:
+    async def _generate(self, prompt_ids: list[int], max_tokens: int | None,
+                        param: str = "messages") -> tuple[Completion, str, RolloutTurn]:
+        """``param``: the request field that made ``prompt_ids`` (named by a 400)."""
         room = self._limits.max_rollout_tokens - len(prompt_ids)
         if room < 1:
             self._truncate(RolloutStatus.TRUNCATED_LENGTH,
@@ -166,7 +167,7 @@ class EpisodeCapture:
                 400, f"the prompt has {len(prompt_ids)} tokens; this episode's budget "
                      f"(rollouter.max_rollout_tokens) is {self._limits.max_rollout_tokens} "
                      f"tokens for prompt and completion", code="context_length_exceeded",
-                param="messages")
+                param=param)
         turn_index = self._num_calls
         self._num_calls += 1
         rid = request_id(self.group_id, self.rollout_index, turn_index)

@@ -34,6 +34,11 @@ _REFUSED_IF_SET = {
     "response_format": "response_format is not supported",
 }
 _NEUTRAL = {"n": 1, "stream": False, "echo": False, "best_of": 1}
+# Sampling settings the run does not apply, but whose type is still checked: a request that
+# sends a string for a number is malformed, as vLLM's server says too.
+_NUMBERS_IF_SET = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+MAX_TOKENS_LIMIT = 2**31 - 1
+"""The largest ``max_tokens`` taken (then clipped to the run's); beyond it, a 400."""
 
 
 class RequestError(ValueError):
@@ -76,7 +81,7 @@ def _require_object(body: Any) -> dict[str, Any]:
 def _model(body: dict[str, Any]) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise RequestError("model", f"a model name (string) is required, got {model!r}")
+        raise RequestError("model", f"a model name (string) is required, got {model!r:.80}")
     return model
 
 
@@ -84,13 +89,20 @@ def _common(body: dict[str, Any]) -> None:
     for name, why in _REFUSED_IF_SET.items():
         value = body.get(name)
         if value is not None and value != _NEUTRAL.get(name):
-            raise RequestError(name, f"{why} (got {value!r})")
+            raise RequestError(name, f"{why} (got {value!r:.80})")
+    for name in _NUMBERS_IF_SET:
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise RequestError(name, f"a number expected, got {value!r:.80}")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise RequestError("seed", f"an integer expected, got {seed!r:.80}")
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:
     value = body.get(name)
     if value is not None and not isinstance(value, bool):
-        raise RequestError(name, f"true or false expected, got {value!r}")
+        raise RequestError(name, f"true or false expected, got {value!r:.80}")
     return bool(value)
 
 
@@ -99,8 +111,10 @@ def _max_tokens(body: dict[str, Any]) -> int | None:
         value = body.get(name)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise RequestError(name, f"an integer >= 1 expected, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not (
+                1 <= value <= MAX_TOKENS_LIMIT):
+            raise RequestError(name, f"an integer in [1, {MAX_TOKENS_LIMIT}] expected, got "
+                                     f"{value!r:.80}")
         return value
     return None
 
@@ -127,7 +141,7 @@ def _message(message: Any, i: int) -> dict[str, Any]:
         raise RequestError(where, f"an object expected, got {type(message).__name__}")
     role = message.get("role")
     if role not in ROLES:
-        raise RequestError(f"{where}.role", f"one of {list(ROLES)} expected, got {role!r}")
+        raise RequestError(f"{where}.role", f"one of {list(ROLES)} expected, got {role!r:.80}")
     out = {k: v for k, v in message.items() if v is not None}
     content = _text_content(message.get("content"), f"{where}.content")
     if content is None and not (role == "assistant" and message.get("tool_calls")):
@@ -171,7 +185,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     logprobs = body.get("logprobs")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                  or logprobs < 0):
-        raise RequestError("logprobs", f"an integer >= 0 expected, got {logprobs!r}")
+        raise RequestError("logprobs", f"an integer >= 0 expected, got {logprobs!r:.80}")
     return CompletionRequest(model=model, prompt=prompt, max_tokens=_max_tokens(body),
                              logprobs=logprobs is not None,
                              return_token_ids=_flag(body, "return_token_ids"))

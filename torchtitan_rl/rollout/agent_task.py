@@ -84,7 +84,9 @@ class AgentTask(Configurable):
     class Config(TaskConfig):
         # with a demonstration the warm start is keyed by this config: its serving settings
         # do not change the demonstrations
-        warm_start_independent_fields = ("agent", "timeout_s", "host", "port", "tool_parser")
+        warm_start_independent_fields = ("agent", "timeout_s", "host", "port", "tool_parser",
+                                         "model_name", "max_body_bytes",
+                                         "max_concurrent_requests", "body_timeout_s")
 
         agent: str = ""
         """The agent, ``package.module:function``: ``async def run(episode, client)`` returning
@@ -101,6 +103,17 @@ class AgentTask(Configurable):
         """Address the endpoint binds; 127.0.0.1 keeps it on this machine."""
         port: int = 0
         """Port the endpoint binds; 0 picks a free one."""
+        model_name: str = "policy"
+        """The model the endpoint serves (``GET /v1/models``); a request naming another model
+        is a 404."""
+        max_body_bytes: int = 8 << 20
+        """Largest request body taken, in bytes; a larger one is a 413, unread."""
+        max_concurrent_requests: int = 256
+        """TCP requests the endpoint serves at once; past it a request is answered 503 with
+        Retry-After at once (the ``openai`` client retries it). The agents' own calls through
+        the client they are given run in process and do not count."""
+        body_timeout_s: float = 30.0
+        """A request body not received in full within this many seconds is a 408."""
         tool_parser: str = ""
         """vLLM's tool parser for the model's template (``hermes`` for Qwen3): a chat reply to a
         request with ``tools`` comes back with its tool calls parsed (``message.tool_calls``,
@@ -122,6 +135,13 @@ class AgentTask(Configurable):
                 raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s}")
             if not 0 <= self.port < 65536:
                 raise ValueError(f"port must be in [0, 65536), got {self.port}")
+            for name in ("max_body_bytes", "max_concurrent_requests"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            if self.body_timeout_s <= 0:
+                raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
+            if not self.model_name:
+                raise ValueError("model_name must not be empty")
 
     def __init__(self, config: Config) -> None:
         if config.episodes.__class__ is TaskConfig:
@@ -157,7 +177,11 @@ class AgentTask(Configurable):
         concurrent first rollouts get the same one)."""
         loop = asyncio.get_running_loop()
         if self._server is None or self._loop is not loop:
-            self._server = EpisodeServer(host=self.config.host, port=self.config.port)
+            c = self.config
+            self._server = EpisodeServer(
+                host=c.host, port=c.port, model_name=c.model_name,
+                max_body_bytes=c.max_body_bytes, max_concurrent_requests=c.max_concurrent_requests,
+                body_timeout_s=c.body_timeout_s)
             self._server.start()
             self._loop = loop
         return self._server
