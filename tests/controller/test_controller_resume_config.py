@@ -18,7 +18,12 @@ import pytest
 
 from tests.controller.letter_task import LetterTask
 from torchtitan_rl.config.errors import ConfigError
-from torchtitan_rl.controller.checkpoint.checkpointer import Checkpointer, ControllerState, step_dir
+from torchtitan_rl.controller.checkpoint.checkpointer import (
+    CHECKSUMS_FILE,
+    Checkpointer,
+    ControllerState,
+    step_dir,
+)
 from torchtitan_rl.controller.checkpoint.resume_config import (
     JOB_CONFIG_FILE,
     RESUME_MAY_CHANGE,
@@ -112,7 +117,9 @@ def test_extending_a_run_and_changing_logging_and_checkpointing_resumes(saved, c
 
 def test_a_checkpoint_saved_without_a_config_resumes_with_a_warning(saved, caplog):
     run_dir, config = saved
-    (step_dir(run_dir / "checkpoints", 2) / JOB_CONFIG_FILE).unlink()
+    # as a checkpoint of an older version wrote it: no config and no checksums
+    for name in (JOB_CONFIG_FILE, CHECKSUMS_FILE):
+        (step_dir(run_dir / "checkpoints", 2) / name).unlink()
     with caplog.at_level(logging.WARNING):
         found = _checkpointer(run_dir, _with_lr(config, 1e-3)).prepare_run_dir()
     assert found is not None

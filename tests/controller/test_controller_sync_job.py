@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import shutil
 import subprocess
@@ -74,6 +75,7 @@ def test_three_step_sync_run_logs_finite_metrics_tensorboard_and_checkpoints(uni
     for step in (1, 2, 3):
         checkpoint = run_dir / "checkpoints" / f"step-{step:06d}"
         assert (checkpoint / "controller.json").is_file()
+        assert (checkpoint / "checksums.sha256").read_text().count("trainer/") >= 2  # DCP's files
         assert json.loads((checkpoint / "controller.json").read_text())["step"] == step
     assert (run_dir / "hf" / "config.json").is_file()
     assert (run_dir / "reward_curve.png").stat().st_size > 0
@@ -82,20 +84,32 @@ def test_three_step_sync_run_logs_finite_metrics_tensorboard_and_checkpoints(uni
 
 @pytest.mark.slow
 def test_a_run_resumed_from_its_step_2_checkpoint_repeats_step_3_bit_for_bit(
-        uninterrupted_run, tmp_path):
-    """The uninterrupted run's folder as a run stopped after its step-2 checkpoint leaves it (the
-    step-3 checkpoint and the export gone, the logs of step 3 still there), resumed: step 3's
-    metrics and the final weights equal the uninterrupted run's exactly. (That two runs of one
-    seed are identical at every step is the rollout-worker job's check against the same run.)"""
+        uninterrupted_run, tmp_path, caplog):
+    """The uninterrupted run's folder with one bit of its step-3 checkpoint's largest trainer
+    shard flipped and the export gone (the logs of step 3 still there), resumed: the corrupt
+    checkpoint is found by its checksums and set aside in one logged line, the run resumes from
+    step 2, and step 3's metrics and the final weights equal the uninterrupted run's exactly.
+    (That two runs of one seed are identical at every step is the rollout-worker job's check
+    against the same run.)"""
     full_dir, _ = uninterrupted_run
     run_dir = tmp_path / "full"
     shutil.copytree(full_dir, run_dir)
-    shutil.rmtree(run_dir / "checkpoints" / "step-000003")
+    shard = max((run_dir / "checkpoints" / "step-000003" / "trainer").glob("*.distcp"),
+                key=lambda path: path.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
     shutil.rmtree(run_dir / "hf")
     config = tiny_job(tmp_path, "full")
-    summary = main(dataclasses.replace(config, checkpoint=dataclasses.replace(
-        config.checkpoint, resume="must")))
+    with caplog.at_level(logging.WARNING, logger="torchtitan_rl.controller.checkpoint"):
+        summary = main(dataclasses.replace(config, checkpoint=dataclasses.replace(
+            config.checkpoint, resume="must")))
     assert summary["steps"] == 3 and summary["resumed_from_step"] == 2
+    unusable = [r.getMessage() for r in caplog.records if "is unusable" in r.getMessage()]
+    assert len(unusable) == 1 and "step-000003 is unusable (trainer/" in unusable[0], unusable
+    assert f"trainer/{shard.name} does not match its sha256" in unusable[0]
+    (aside,) = (run_dir / "checkpoints").glob("step-000003.unusable-*")  # kept, renamed
+    assert (aside / "trainer" / shard.name).read_bytes() == bytes(data)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss/value" in r] == [0, 1, 2]  # step 3 logged once
     full, again = read_metrics(full_dir), read_metrics(run_dir)
