@@ -1,8 +1,10 @@
 """The metric trackers: each reads back, through its own library, the scalars, steps and run config
-MetricsLogger gave it; a failing tracker is dropped with one warning and the others go on."""
+MetricsLogger gave it; a failing tracker is dropped with one warning and the others go on; a full
+disk under metrics.jsonl stops the run in one line and leaves no torn line."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -13,7 +15,12 @@ import pytest
 from tests.metrics.trackers_testlib import same, wandb_records
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.metrics.logger import MetricsLogger
-from torchtitan_rl.metrics.sinks import TRACKER_RUNS_FILE, MlflowSink, WandbSink
+from torchtitan_rl.metrics.sinks import (
+    TRACKER_RUNS_FILE,
+    MlflowSink,
+    RecordWriteError,
+    WandbSink,
+)
 
 RUN_CONFIG = {"seed": 3, "trainer.optimizer.lr": 0.0005, "task.type": "examples.x:Task",
               "metrics.backends": ["tensorboard", "wandb", "trackio", "mlflow"]}
@@ -165,3 +172,43 @@ def test_wandb_online_without_a_key_logs_offline_with_one_warning(tmp_path, monk
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "no W&B key is set" in warnings[0], warnings
     assert len(list((tmp_path / "run").glob("wandb/offline-run-*/run-*.wandb"))) == 1
+
+
+class _FillingDisk:
+    """metrics.jsonl's file on a disk with ``room`` bytes left: a write past it writes what fits
+    and raises ENOSPC, as write(2) on a full disk does."""
+
+    def __init__(self, real, room: int) -> None:
+        self.real, self.room = real, room
+
+    def write(self, data) -> int:
+        fits = min(len(data), self.room)
+        self.room -= self.real.write(data[:fits])
+        if fits < len(data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return fits
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+
+def test_a_full_disk_while_writing_metrics_jsonl_stops_in_one_line_and_leaves_no_torn_line(
+        tmp_path):
+    metrics = MetricsLogger.Config(backends=[]).build(run_dir=tmp_path)
+    metrics.log(0, {"loss/value": 0.5})
+    metrics.log(1, {"loss/value": 0.25})
+    metrics._jsonl._file = _FillingDisk(metrics._jsonl._file, room=10)
+    with pytest.raises(RecordWriteError) as e:
+        metrics.log(2, {"loss/value": 0.125})
+    assert str(e.value) == (
+        f"{tmp_path / 'metrics.jsonl'}: step 2 could not be written: No space left on device; the "
+        "run stops (a full disk: free space, then run the same command: it resumes from its "
+        "newest checkpoint)")
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert [json.loads(line)["step"] for line in lines] == [0, 1]  # the 10 bytes taken back
+    assert all(line.endswith("\n") for line in lines)
+    metrics._jsonl._file.room = 1 << 20  # space freed: the next write is whole
+    metrics.log(2, {"loss/value": 0.125})
+    metrics.close()
+    assert [json.loads(line)["step"] for line in
+            (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]

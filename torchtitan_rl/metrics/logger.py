@@ -11,7 +11,6 @@ Non-finite values are written as they are (the trackers show them) and counted i
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import pathlib
@@ -21,6 +20,7 @@ from typing import Any
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.metrics.sinks import (
     BACKENDS,
+    JsonlLog,
     MetricSink,
     MlflowSink,
     SinkContext,
@@ -72,7 +72,7 @@ class MetricsLogger(Configurable):
             sink = self._guarded(name, "open", self._open_sink, name, context)
             if sink is not None:
                 self.sinks[name] = sink
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a") if config.jsonl else None
+        self._jsonl = JsonlLog(self.run_dir / "metrics.jsonl") if config.jsonl else None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         scalars = {key: float(value) for key, value in metrics.items()}
@@ -82,9 +82,8 @@ class MetricsLogger(Configurable):
             self._history.setdefault(key, []).append((step, value))
         for name, sink in list(self.sinks.items()):
             self._guarded(name, f"step {step}", sink.log, step, scalars)
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"step": step, **metrics}, allow_nan=True) + "\n")
-            self._jsonl.flush()
+        if self._jsonl is not None:  # a full disk: RecordWriteError, the run stops in one line
+            self._jsonl.append(step, {"step": step, **metrics})
         if step % self.config.log_every_steps == 0:
             logger.info("step=%d %s", step, " ".join(
                 f"{k}={_fmt(v)}" for k, v in sorted(metrics.items())

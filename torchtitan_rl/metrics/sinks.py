@@ -9,6 +9,9 @@ A tracker never stops a run: a sink that raises while opening, logging or closin
 after one warning naming it and the error (MetricsLogger), and the run goes on with the others.
 The ids of the trackers' runs are kept in `<run_dir>/tracker_runs.json`, so a resumed run (or a
 trainer restart inside one) continues the same W&B, trackio and MLflow runs.
+
+`metrics.jsonl` is the run's own record, not a tracker (JsonlLog): a line that cannot be written
+(a full disk) is taken back whole and stops the run with one line; the resume writes it again.
 """
 
 from __future__ import annotations
@@ -34,6 +37,43 @@ logger = logging.getLogger(__name__)
 TRACKER_RUNS_FILE = "tracker_runs.json"
 EXTRAS = {"wandb": "trackers", "mlflow": "trackers", "trackio": "trackio"}
 """The extra that installs each tracker's library (named as the backend)."""
+
+
+class RecordWriteError(RuntimeError):
+    """A record of the run could not be written (a full disk): the run stops; its message says
+    which file, which step and why."""
+
+
+class JsonlLog:
+    """An append-only JSON-lines file of per-step records, written a whole line at a time: a
+    write that fails (ENOSPC) is cut back to the last whole line and raises RecordWriteError,
+    so the file never holds a torn line and every line on disk is a step that was logged."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+        # Unbuffered: a failed write leaves nothing in a buffer to be flushed later.
+        self._file = open(path, "ab", buffering=0)
+
+    def append(self, step: int, record: dict[str, Any]) -> None:
+        data = (json.dumps(record, allow_nan=True) + "\n").encode()
+        start = self._file.seek(0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:  # a raw write may write part and return its count
+                view = view[self._file.write(view):]
+        except OSError as e:
+            try:
+                self._file.truncate(start)
+            except OSError:
+                logger.warning("%s: could not cut back a half-written line at byte %d (the "
+                               "resume drops it)", self.path, start)
+            raise RecordWriteError(
+                f"{self.path}: step {step} could not be written: {e.strerror or e}; the run "
+                f"stops (a full disk: free space, then run the same command: it resumes from "
+                f"its newest checkpoint)") from e
+
+    def close(self) -> None:
+        self._file.close()
 
 
 class MetricSink(Protocol):
