@@ -147,7 +147,10 @@ def run_and_report(config: RLJob.Config,
     if summary.get("rise") is not None:
         z = summary["rise_z"]
         fields += [f"rise={summary['rise']:+.4f}", f"z={'n/a' if z is None else f'{z:.1f}'}"]
-    fields += [f"steps={summary['steps']}", f"wall_s={_fmt(summary['wall_s'])}"]
+    fields.append(f"steps={summary['steps']}")
+    if summary.get("trained_steps") is not None:  # steps that changed the weights (run_health.py)
+        fields.append(f"trained_steps={summary['trained_steps']}/{summary['steps']}")
+    fields.append(f"wall_s={_fmt(summary['wall_s'])}")
     print(" ".join(fields), file=console_out())
     return 0
 

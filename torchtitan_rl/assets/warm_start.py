@@ -39,6 +39,9 @@ Example = tuple[list[int], list[int]]
 """(token ids, assistant mask) of one conversation."""
 
 LENGTH_GROUP_BATCHES = 8
+LOSS_FILE = "warm_start_loss.json"
+"""Written beside the model: its training loss at every step and the seconds it trained
+(`warm_start_metrics` reads it; a model cached before it was written has none)."""
 
 
 class WarmStartStopped(Exception):
@@ -158,12 +161,14 @@ class WarmStart(Configurable):
         logger.info("warm start: %d steps x %d conversations from %s", cfg.num_steps,
                     cfg.batch_size, base_model_dir)
         batches = self._batches(examples, rng)
+        losses: list[float] = []
         with _torch_threads(cfg.num_threads), progress_bar(total=cfg.num_steps,
                                                            desc="warm start") as bar:
             for step in range(cfg.num_steps):
                 if stop.is_set():
                     raise WarmStartStopped(f"warm start stopped at step {step}/{cfg.num_steps}")
                 loss = self._step(model, optimizer, schedule, next(batches), pad_id)
+                losses.append(loss)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
                 if step % 50 == 0 or step == cfg.num_steps - 1:
@@ -174,6 +179,9 @@ class WarmStart(Configurable):
         try:
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
+            (tmp / LOSS_FILE).write_text(json.dumps({
+                "loss": [round(x, 5) for x in losses],
+                "train_s": round(time.perf_counter() - start, 1)}))
             for extra in ("generation_config.json",):
                 if (base_model_dir / extra).exists():
                     shutil.copy(base_model_dir / extra, tmp / extra)
@@ -266,3 +274,21 @@ def _torch_threads(num_threads: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def warm_start_metrics(model_dir: pathlib.Path) -> dict[str, float]:
+    """The warm start's loss as metrics (`warm_start/loss_first`: its first step's,
+    `warm_start/loss_last`: the mean over its last tenth of steps), its steps and the seconds it
+    trained, from ``model_dir``'s `LOSS_FILE`; {} when there is none."""
+    path = pathlib.Path(model_dir) / LOSS_FILE
+    if not path.is_file():
+        return {}
+    record = json.loads(path.read_text())
+    losses = record["loss"]
+    if not losses:
+        return {}
+    tail = losses[-max(1, len(losses) // 10):]
+    return {"warm_start/loss_first": float(losses[0]),
+            "warm_start/loss_last": sum(tail) / len(tail),
+            "warm_start/num_steps": float(len(losses)),
+            "warm_start/train_s": float(record["train_s"])}

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from torchtitan_rl.assets.model_source import ModelSource
-from torchtitan_rl.assets.warm_start import WarmStart
+from torchtitan_rl.assets.warm_start import WarmStart, warm_start_metrics
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.config.convert import to_data
 from torchtitan_rl.config.errors import ConfigError
@@ -205,16 +205,23 @@ class RLJob(Configurable):
         restarted), close, summarise. ``spawn_trainer``: the torchrun ranks in place of a trainer
         mesh (torchrun.py)."""
         wall_start = time.perf_counter()
+        self._loops: list[TrainingLoop] = []
+        self._wall_s = dict.fromkeys(("model", "warm_start", "start_up", "export", "shutdown"),
+                                     0.0)
+        """Where the run's wall time went, beside its loops' own (summary.json)."""
         # In a thread: SIGTERM or Ctrl-C while a missing model is made stops the run at once
         # (the model is finished, never left half-written; nothing is spawned).
         plan = await asyncio.to_thread(self.resolve)
         checkpointer, resume_dir, state, resumed = self._open_run_folder(plan)
+        mark = self._lap("model", wall_start)
         await _make_model(plan)
+        mark = self._lap("warm_start", mark)
         _dump_tasks_on_sigusr1()
         with MeshFailureWatch() as watch:
             parts = await build_parts(
                 plan, checkpointer=checkpointer, spawn_trainer=spawn_trainer,
                 on_fatal=watch.fail, resume_step=state.step if resume_dir is not None else None)
+            self._lap("start_up", mark)
             watch.attach(parts.generators, parts.workers)
             if isinstance(parts.trainer, MonarchTrainerClient) and plan.trainer.max_restarts:
                 watch.watch_trainer(parts.trainer.mesh_name)  # torchrun owns its ranks: not here
@@ -227,9 +234,38 @@ class RLJob(Configurable):
                     state, restored_from = await self._train_restarting_the_trainer(
                         plan, parts, watch, resume_dir, state)
                 finally:
+                    mark = time.perf_counter()
                     await parts.close()
+                    self._lap("shutdown", mark)
                     gc.unfreeze()
-        return _write_summary(plan, state, resumed, restored_from, wall_start)
+        return _write_summary(plan, state, resumed, restored_from, wall_start,
+                              self._run_report(plan, state))
+
+    def _lap(self, part: str, since: float) -> float:
+        """Add the time from ``since`` to now to ``part`` of the wall-time breakdown; now."""
+        now = time.perf_counter()
+        self._wall_s[part] += now - since
+        return now
+
+    def _run_report(self, plan: ResolvedJob, state: ControllerState) -> dict[str, Any]:
+        """What the summary says beside the rewards: how many steps trained, collapsed answers,
+        the constant-answer baseline, and where the wall time went (model: resolving the config
+        and making a missing base model; warm start; start-up: spawning the parts; the loops'
+        validation, steps and checkpoints; export; shutdown)."""
+        loops = self._loops
+        wall = {part: self._wall_s[part] for part in ("model", "warm_start", "start_up")}
+        for part in ("validation", "steps", "checkpoints"):
+            wall[part] = sum(loop.wall_s[part] for loop in loops)
+        wall.update(export=self._wall_s["export"], shutdown=self._wall_s["shutdown"])
+        collapse = next((loop.health.collapse for loop in loops if loop.health.collapse), None)
+        baseline = next((loop.constant_answer for loop in loops if loop.constant_answer), None)
+        return {
+            "trained_steps": state.step - len(state.untrained_steps),
+            "untrained_steps": len(state.untrained_steps),
+            "answer_collapse": collapse.to_data() if collapse is not None else None,
+            "constant_answer_reward": baseline.reward if baseline is not None else None,
+            "wall_s_breakdown": {part: round(seconds, 1) for part, seconds in wall.items()},
+        }
 
     def _open_run_folder(self, plan: ResolvedJob) -> tuple[
             Checkpointer, pathlib.Path | None, ControllerState, dict[str, Any]]:
@@ -283,12 +319,19 @@ class RLJob(Configurable):
 
         if resume_dir is not None:
             await continue_from(parts, resume_dir, state)
+        elif state.step == 0 and not self._loops:  # a fresh run: its model's warm-start loss
+            if warm := warm_start_metrics(pathlib.Path(plan.model_dir)):
+                parts.metrics.log(0, warm)
         with progress_bar(total=plan.loop.num_steps, initial=state.step,
                           desc="GRPO steps") as progress:
-            await plan.loop.build(parts=parts, state=state, progress=progress).run()
+            loop = plan.loop.build(parts=parts, state=state, progress=progress)
+            self._loops.append(loop)
+            await loop.run()
         run_dir = pathlib.Path(plan.run_dir)
         if plan.checkpoint.export_hf:
+            mark = time.perf_counter()
             await parts.trainer.export_hf(run_dir / "hf")
+            self._lap("export", mark)
         _plot(state, run_dir)
         parts.recorder.write_viewer()
 
@@ -315,9 +358,12 @@ async def _mesh_failures_in_one_line(watch: MeshFailureWatch) -> AsyncIterator[N
 
 
 def _write_summary(plan: ResolvedJob, state: ControllerState, resumed: dict[str, Any],
-                   restored_from: list[int], wall_start: float) -> dict[str, Any]:
+                   restored_from: list[int], wall_start: float,
+                   report: dict[str, Any]) -> dict[str, Any]:
     """summary.json in the run folder: the rewards before and after, the rise between them
-    paired by episode (validation.py), steps, wall time, resume and restarts."""
+    paired by episode (validation.py), steps, wall time, resume and restarts, and ``report``
+    (`RLJob._run_report`: trained steps, collapse, the constant-answer baseline, the wall time's
+    breakdown)."""
     history = state.validation_history
     change = rise(state.first_validation_episode_means, state.last_validation_episode_means) \
         if len(history) > 1 else None
@@ -330,6 +376,7 @@ def _write_summary(plan: ResolvedJob, state: ControllerState, resumed: dict[str,
         "reward_after_per_turn": state.validation_per_turn,
         "steps": state.step,
         "wall_s": round(time.perf_counter() - wall_start, 1),
+        **report,
         "run_dir": plan.run_dir,
         **resumed,
         "trainer_restarts": len(restored_from),

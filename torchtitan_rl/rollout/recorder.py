@@ -1,4 +1,5 @@
-"""RolloutRecorder: every K steps, append the step's rollouts as JSON lines for a human to read.
+"""RolloutRecorder: every K steps, append the step's rollouts as JSON lines for a human to read;
+every validation's rollouts go to ``validation.jsonl`` beside them, written the same way.
 
 One line per rollout: step, ids, status, reward, advantage, the first prompt's text, the last
 completion's text, and per turn what was added to the prompt, the completion (whole, and token by
@@ -56,6 +57,24 @@ class RolloutRecorder(Configurable):
         self.run_dir = pathlib.Path(run_dir)
         self.path = self.run_dir / config.path
 
+    @property
+    def validation_path(self) -> pathlib.Path:
+        """Where every validation's rollouts go (`validation_rollouts_path`)."""
+        return validation_rollouts_path(self.path)
+
+    def record_validation(self, step: int, groups: list[RolloutGroup], tokenizer: Any) -> bool:
+        """Append a validation's rollouts (all of them, as training rollouts are written) to
+        `validation_path`, unless recording is off (every_k_steps = 0); True if written."""
+        if self.config.every_k_steps == 0:
+            return False
+        self.validation_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.validation_path.open("a", encoding="utf-8") as f:
+            for group in groups:
+                for rollout in group.rollouts:
+                    f.write(json.dumps(_record(step, group, rollout, tokenizer)) + "\n")
+        logger.info("recorded the validation of step %d to %s", step, self.validation_path)
+        return True
+
     def maybe_record(self, step: int, groups: list[RolloutGroup], tokenizer: Any) -> bool:
         """Append this step's rollouts when ``step`` is a multiple of every_k_steps; True if written."""
         k = self.config.every_k_steps
@@ -79,6 +98,11 @@ class RolloutRecorder(Configurable):
             return None
         return write_viewer(self.run_dir, rollouts_path=self.config.path,
                             viewer_path=self.config.viewer_path)
+
+
+def validation_rollouts_path(rollouts_path: pathlib.Path) -> pathlib.Path:
+    """The validation rollouts' file: ``validation.jsonl`` beside the training rollouts' file."""
+    return rollouts_path.with_name("validation.jsonl")
 
 
 def _record(step: int, group: RolloutGroup, rollout: Rollout, tokenizer: Any) -> dict[str, Any]:

@@ -285,9 +285,10 @@ class TrainerClient(abc.ABC):
         """One optimizer step on ``samples``: packed into rows, forward/backward, AdamW."""
         if not samples:
             # Every group of the step was dropped (zero reward spread): an optimizer step on no
-            # tokens would still move AdamW state, so the step keeps the weights instead.
-            logger.warning("step %d: no training samples (all groups dropped); weights unchanged",
-                           step)
+            # tokens would still move AdamW state, so the step keeps the weights instead. The
+            # loop counts such steps and warns once, at the run's end (run_health.py).
+            logger.info("step %d: no training samples (all groups dropped); weights unchanged",
+                        step)
             return {"trainer/skipped_empty_step": 1.0}
         async with self.weights_lock:
             metrics = dict(await self.forward_backward(samples))

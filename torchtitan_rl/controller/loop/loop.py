@@ -42,8 +42,10 @@ from torchtitan_rl.controller.checkpoint.checkpointer import (
 )
 from torchtitan_rl.controller.fleet.generator_pool import GeneratorPool
 from torchtitan_rl.controller.hosts.placement import RunHosts
+from torchtitan_rl.controller.loop.constant_answer import ConstantAnswer, constant_answer_baseline
 from torchtitan_rl.controller.loop.data_cursor import DataCursor
 from torchtitan_rl.controller.loop.idle_ratios import IdleRatios
+from torchtitan_rl.controller.loop.run_health import RunHealth
 from torchtitan_rl.controller.loop.staleness import StalenessGate
 from torchtitan_rl.controller.loop.validation import Validator, task_errors
 from torchtitan_rl.controller.rollout_workers.pool import RolloutWorkerLostError, RolloutWorkerPool
@@ -213,6 +215,13 @@ class TrainingLoop(Configurable):
         self.num_skipped_steps = self.num_skipped_in_row = self.num_checkpoints = 0
         self.num_validations = 0
         self.num_groups_restarted = 0
+        self.health = RunHealth(state.untrained_steps, num_steps=config.num_steps)
+        """Steps that trained nothing, collapsed answers (run_health.py)."""
+        self.constant_answer: ConstantAnswer | None = None
+        """The validation episodes' constant-answer baseline (computed at the first validation)."""
+        self._constant_answer_done = False
+        self.wall_s = {"validation": 0.0, "steps": 0.0, "checkpoints": 0.0}
+        """Where this loop's wall time went (summary.json's breakdown)."""
         self._cpu_mark = 0.0
         """The controller's CPU time (time.process_time) where the next step's window starts."""
         self._replaced_since_step: list[int] = []
@@ -234,7 +243,11 @@ class TrainingLoop(Configurable):
         producer.add_done_callback(self._on_task_done)
         try:
             while self.state.step < self.config.num_steps:
+                start = time.perf_counter()
+                inside = self.wall_s["validation"] + self.wall_s["checkpoints"]
                 await self._train_step(self.state.step)
+                self.wall_s["steps"] += time.perf_counter() - start - (
+                    self.wall_s["validation"] + self.wall_s["checkpoints"] - inside)
         finally:
             self._stopping = True
             for task in list(self._tasks):  # the producer is one of them
@@ -243,6 +256,7 @@ class TrainingLoop(Configurable):
         history = self.state.validation_history
         if validator.enabled and (not history or history[-1][0] != self.state.step):
             await self.validate(self.state.step)
+        self.health.warn_if_hollow()
 
     # ---- producer --------------------------------------------------------------------------------
     async def _produce(self) -> None:
@@ -324,7 +338,8 @@ class TrainingLoop(Configurable):
         push_start = time.perf_counter()
         version = step + 1
         push_metrics: dict[str, float] = {}
-        if not self._count_skipped(step, train_metrics):  # else: the weights did not change
+        skipped = self._count_skipped(step, train_metrics)
+        if not skipped:  # else: the weights did not change
             push_metrics = await parts.generators.push_weights(version)
         await self.gate.publish_version(version)
         end = time.perf_counter()
@@ -350,6 +365,8 @@ class TrainingLoop(Configurable):
             **self._worker_metrics(),
             "generator/groups_restarted_after_loss": float(self.num_groups_restarted),
         }
+        metrics.update(self.health.end_step(step, groups, num_samples=len(samples),
+                                            skipped=skipped or not samples))
         num_turns = sum(len(r.turns) for g in groups for r in g.rollouts)
         if num_turns:
             metrics["rollout/controller_cpu_ms_per_turn"] = 1e3 * rollout_cpu_s / num_turns
@@ -369,9 +386,11 @@ class TrainingLoop(Configurable):
         if parts.validator.due(version) and version < self.config.num_steps:
             await self.validate(version)
         if parts.checkpointer.due(version):
+            checkpoint_start = time.perf_counter()
             self._capture_groups()
             await parts.checkpointer.save(parts.trainer, state)
             self.num_checkpoints += 1
+            self.wall_s["checkpoints"] += time.perf_counter() - checkpoint_start
             maybe_kill("kill_controller_after_checkpoints", self.num_checkpoints)
         self._cpu_mark = time.process_time()  # metrics, validation, checkpoints: not rollouts
 
@@ -445,9 +464,17 @@ class TrainingLoop(Configurable):
         parts = self.parts
         self.num_validations += 1
         await maybe_hold("hold_controller_at_validations", self.num_validations)
+        start = time.perf_counter()
         result = await parts.validator.run(parts.generate_fn, parts.sampling)
         self._check_task_errors(f"validation at step {step}", result.task_errors,
                                 result.num_rollouts)
+        if not self._constant_answer_done:
+            self._constant_answer_done = True
+            self.constant_answer = await constant_answer_baseline(
+                parts.task, parts.validator.dataset[:parts.validator.config.num_prompts])
+        if self.constant_answer is not None:
+            result.constant_answer_reward = self.constant_answer.reward
+        parts.recorder.record_validation(step, result.groups, parts.tokenizer)
         if not self.state.validation_history:
             self.state.first_validation_episode_means = result.episode_means
         self.state.validation_history.append((step, result.reward_mean, result.reward_stderr))
@@ -459,9 +486,12 @@ class TrainingLoop(Configurable):
             self.progress.set_postfix(self._postfix)
         per_turn = "".join(f", {key} {value:.4f}" for key, value in result.per_turn.items()
                            ) if len(result.per_turn) > 1 else ""
+        if self.constant_answer is not None:
+            per_turn += f"; {self.constant_answer.describe()}"
         logger.info("validation step=%d reward=%.4f +- %.4f (%d rollouts%s)", step,
                     result.reward_mean, result.reward_stderr, result.num_rollouts, per_turn,
                     extra=CONSOLE)
+        self.wall_s["validation"] += time.perf_counter() - start
 
     def _check_task_errors(self, where: str, errors: list[str], num_rollouts: int) -> None:
         """Stop the run when too many rollouts failed in the task's code; else one warning."""

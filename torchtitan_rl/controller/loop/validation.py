@@ -47,11 +47,19 @@ class ValidationResult:
     """Each episode's mean reward over its samples, in the split's order (the clusters)."""
     task_errors: list[str] = dataclasses.field(default_factory=list)
     """``Rollout.error`` of every rollout the task's code failed (ERROR_ENV)."""
+    groups: list[RolloutGroup] = dataclasses.field(default_factory=list, repr=False)
+    """The validation's groups, in the split's order (the rollout recorder keeps them)."""
+    constant_answer_reward: float | None = None
+    """What the same episodes score with the task's most frequent answer (constant_answer.py);
+    None where the task gives no such baseline."""
 
     def metrics(self, prefix: str = "validation") -> dict[str, float]:
-        return {f"{prefix}/reward_mean": self.reward_mean,
-                f"{prefix}/reward_stderr": self.reward_stderr,
-                **{f"{prefix}/{key}": value for key, value in self.per_turn.items()}}
+        metrics = {f"{prefix}/reward_mean": self.reward_mean,
+                   f"{prefix}/reward_stderr": self.reward_stderr,
+                   **{f"{prefix}/{key}": value for key, value in self.per_turn.items()}}
+        if self.constant_answer_reward is not None:
+            metrics[f"{prefix}/constant_answer_reward"] = self.constant_answer_reward
+        return metrics
 
 
 class Validator(Configurable):
@@ -121,7 +129,8 @@ class Validator(Configurable):
                     for (turn, name), values in per_turn_reward_parts(groups).items()}
         return ValidationResult(reward_mean=mean, reward_stderr=clustered_stderr(episode_means),
                                 num_rollouts=len(rewards), per_turn=per_turn,
-                                episode_means=episode_means, task_errors=task_errors(groups))
+                                episode_means=episode_means, task_errors=task_errors(groups),
+                                groups=groups)
 
 
 def task_errors(groups: list[RolloutGroup]) -> list[str]:
