@@ -185,8 +185,8 @@ def _headers(text: str) -> list[str]:
 
 def test_help_section_shows_that_section_and_its_subsections_only():
     assert _headers(_help("--help", "trainer")) == ["trainer", "trainer.optimizer",
-                                                    "trainer.loss", "trainer.critic",
-                                                    "trainer.lora"]
+                                                    "trainer.loss", "trainer.loss.off_policy",
+                                                    "trainer.critic", "trainer.lora"]
     out = _help("--help", "generator.sampling")
     assert _headers(out) == ["generator.sampling"]
     assert out.startswith("generator.sampling options:\n")

@@ -33,9 +33,9 @@ from tests.controller.jobs import (
 from tests.controller.lifetime_testlib import RunSessions
 from torchtitan_rl.controller.job import RLJob
 from torchtitan_rl.controller.loop.data_cursor import DataCursor
-from torchtitan_rl.controller.loop.loop import TrainingLoop
 from torchtitan_rl.generator.router import GeneratorRouter
 from torchtitan_rl.train import main
+from torchtitan_rl.trainer.off_policy import OffPolicyCorrection, token_tis
 
 
 def _run_tiny_job(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
@@ -255,24 +255,34 @@ def _num_validation_requests(config: RLJob.Config) -> int:
     return config.validation.num_prompts * config.validation.samples_per_prompt
 
 
-def _resolved_tis_cap(config: RLJob.Config) -> float | None:
-    return RLJob(config).resolve().trainer.loss.tis_cap
+def _resolved_correction(config: RLJob.Config) -> OffPolicyCorrection.Config:
+    return RLJob(config).resolve().trainer.loss.off_policy
 
 
-def test_off_policy_training_turns_truncated_importance_sampling_on_unless_configured(tmp_path):
+def test_off_policy_training_turns_the_correction_on_unless_configured(tmp_path, caplog):
     sync = tiny_job(tmp_path, "x")
-    assert _resolved_tis_cap(sync) is None
+    assert _resolved_correction(sync).enabled == "off"
     asynced = tiny_job(tmp_path, "x", max_staleness=1)
-    assert _resolved_tis_cap(asynced) == TrainingLoop.Config().tis_cap
+    assert _resolved_correction(asynced) == dataclasses.replace(OffPolicyCorrection.Config(),
+                                                                enabled="on")
     own = dataclasses.replace(asynced, trainer=dataclasses.replace(
-        asynced.trainer, loss=dataclasses.replace(asynced.trainer.loss, tis_cap=5.0)))
-    assert _resolved_tis_cap(own) == 5.0
-    off = dataclasses.replace(asynced, loop=dataclasses.replace(
-        asynced.loop, off_policy_correction="none"))
-    assert _resolved_tis_cap(off) is None
+        asynced.trainer, loss=dataclasses.replace(asynced.trainer.loss, off_policy=(
+            OffPolicyCorrection.Config(is_cap=5.0, token_mask_low=None)))))
+    assert _resolved_correction(own) == OffPolicyCorrection.Config(
+        enabled="on", is_cap=5.0, token_mask_low=None)
+    off = dataclasses.replace(asynced, trainer=dataclasses.replace(
+        asynced.trainer, loss=dataclasses.replace(asynced.trainer.loss, off_policy=(
+            OffPolicyCorrection.Config(enabled="off")))))
+    assert _resolved_correction(off).enabled == "off"
+    # The deprecated loop keys still load, as what they meant, with one warning line.
     forced = dataclasses.replace(sync, loop=dataclasses.replace(
-        sync.loop, off_policy_correction="tis"))
-    assert _resolved_tis_cap(forced) == TrainingLoop.Config().tis_cap
+        sync.loop, off_policy_correction="tis", tis_cap=3.0))
+    caplog.clear()
+    assert _resolved_correction(forced) == token_tis(3.0)
+    assert [r.levelname for r in caplog.records if "deprecated" in r.getMessage()] == ["WARNING"]
+    none = dataclasses.replace(asynced, loop=dataclasses.replace(
+        asynced.loop, off_policy_correction="none"))
+    assert _resolved_correction(none).enabled == "off"
 
 
 @pytest.mark.slow

@@ -158,3 +158,49 @@ def test_unknown_estimator_is_refused_naming_the_key() -> None:
         parse_args(RLJob.Config, ["--rollouter.advantage", "ppo"])
     with pytest.raises(ValueError, match="advantage must be one of"):
         Rollouter.Config(advantage="ppo")
+
+
+def test_opo_subtracts_the_length_weighted_mean_reward() -> None:
+    # OPO (Hao et al. 2025): b = sum l_i r_i / sum l_i = (10*1 + 30*0 + 60*0.5) / 100 = 0.4
+    advantages, reason = group_advantages([1.0, 0.0, 0.5, 9.0], [True, True, True, False],
+                                          advantage_std="sample", estimator="opo",
+                                          lengths=[10, 30, 60, 5])
+    assert reason is None
+    assert advantages == pytest.approx([0.6, -0.4, 0.1, None])
+
+
+def test_opo_with_equal_lengths_is_the_group_mean_baseline() -> None:
+    rng = random.Random(3)
+    for _ in range(20):
+        rewards = [rng.random() for _ in range(rng.randint(2, 8))]
+        n = rng.randint(1, 50)
+        opo, _ = group_advantages(rewards, [True] * len(rewards), advantage_std="none",
+                                  estimator="opo", lengths=[n] * len(rewards))
+        mean, _ = group_advantages(rewards, [True] * len(rewards), advantage_std="none",
+                                   estimator="reinforce_pp_baseline")
+        assert opo == pytest.approx(mean, rel=1e-12, abs=1e-15)
+
+
+def test_opo_without_lengths_is_refused() -> None:
+    with pytest.raises(ValueError, match="'opo' needs each rollout's generated length"):
+        group_advantages([1.0, 0.0], [True, True], advantage_std="none", estimator="opo")
+
+
+def test_passk_credits_only_the_best_rollout_by_its_margin() -> None:
+    # verl's grpo_passk: r_max - r_second_max on the best, divided by the group's sample std.
+    rewards = [0.2, 0.9, 0.5, 0.9 - 0.25]
+    std = math.sqrt(sum((r - sum(rewards) / 4) ** 2 for r in rewards) / 3)
+    advantages, reason = group_advantages(rewards, [True] * 4, advantage_std="sample",
+                                          estimator="grpo_passk")
+    assert reason is None
+    assert advantages == pytest.approx([0.0, 0.25 / (std + STD_EPS), 0.0, 0.0], rel=1e-12)
+    plain, _ = group_advantages(rewards, [True] * 4, advantage_std="none",
+                                estimator="grpo_passk")
+    assert plain == pytest.approx([0.0, 0.25, 0.0, 0.0], rel=1e-12)
+    # A tie at the top: the first best gets the margin 0 (nothing to learn from the pair).
+    tied, _ = group_advantages([1.0, 0.0, 1.0], [True] * 3, advantage_std="none",
+                               estimator="grpo_passk")
+    assert tied == [0.0, 0.0, 0.0]
+    single, reason = group_advantages([1.0, 0.5], [True, False], advantage_std="none",
+                                      estimator="grpo_passk")
+    assert single == [0.0, None] and reason == "zero_std"

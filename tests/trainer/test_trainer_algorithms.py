@@ -93,6 +93,11 @@ def _reference_loss(case: _Case, cfg: PolicyLoss.Config) -> torch.Tensor:
     n_tokens = sum(len(t) for t in sequences.values())
     n_seqs = len(sequences)
     lo, hi = 1 - cfg.clip_low, 1 + cfg.clip_high
+    correction = cfg.off_policy
+    assert correction.enabled != "on" or (correction.is_level == "token"
+                                          and correction.token_mask_low is None), (
+        "this reference knows token TIS only (test_trainer_off_policy.py has the menu)")
+    picked = _covariance_picks(case, sequences, cfg)
     total = torch.zeros(())
     for tokens in sequences.values():
         T = len(tokens)
@@ -110,24 +115,65 @@ def _reference_loss(case: _Case, cfg: PolicyLoss.Config) -> torch.Tensor:
             s = torch.exp(sum(case.logp[p] - g for p, g, _ in tokens) / T)
             seq_loss = -torch.minimum(s * A, _clip(s, lo, hi) * A)
             total = total + c * T * seq_loss  # every token carries the sequence's loss
+        if cfg.policy_loss == "gmpo":
+            # Zhao et al. 2025 eq. (4) as verl's geo_mean: sign-aware log-space clip per token,
+            # the sequence's geometric-mean ratio times its mean advantage.
+            clipped_logs = []
+            for p, g, A in tokens:
+                x = case.logp[p] - g
+                sign = 1.0 if A > 0 else (-1.0 if A < 0 else 0.0)
+                clipped_logs.append(sign * torch.minimum(
+                    sign * x, sign * _clip(x, -cfg.clip_low, cfg.clip_high)))
+            ratio = torch.exp(sum(clipped_logs) / T)
+            mean_advantage = sum(A for _, _, A in tokens) / T
+            total = total + c * T * (-ratio * mean_advantage)
         for p, g, A in tokens:
             logp = case.logp[p]
-            if cfg.tis_cap is not None:
-                w = min(math.exp(logp.item() - g), cfg.tis_cap)
+            if correction.enabled == "on":
+                w = min(math.exp(logp.item() - g), correction.is_cap)
                 old = logp.detach()
             else:
                 w, old = 1.0, (torch.tensor(g) if cfg.ratio_reference == "generator"
                                else logp.detach())
             r = torch.exp(logp - old)
-            if cfg.policy_loss == "ppo_clip":
+            if cfg.policy_loss in ("ppo_clip", "clip_cov"):
                 token_loss = torch.maximum(-r * A, -_clip(r, lo, hi) * A)
                 if cfg.clip_ratio_c is not None and A < 0:
                     token_loss = torch.minimum(token_loss, torch.tensor(-cfg.clip_ratio_c * A))
+                if p in picked:  # Clip-Cov: a picked token loses its gradient
+                    token_loss = token_loss * 0.0
                 total = total + c * w * token_loss
             elif cfg.policy_loss == "cispo":
                 # MiniMax-M1 eq. (4): sg(clip(r)) * A * log pi; log pi - log pi_old: same gradient.
                 weight = _clip(r.detach(), lo, hi)
                 total = total + c * w * (-weight * A * (logp - old))
+            elif cfg.policy_loss in ("dppo_tv", "dppo_kl"):
+                # DPPO (verl's dppo_tv / dppo_kl): a detached truncated ratio on log pi, masked
+                # where the probability already left the trust region in A's direction.
+                prob, old_prob = math.exp(logp.item()), math.exp(old.item())
+                if cfg.policy_loss == "dppo_tv":
+                    keep = (prob - old_prob <= cfg.clip_high if A > 0
+                            else prob - old_prob >= -cfg.clip_low)
+                else:
+                    kl = (old_prob * (old.item() - logp.item()) + (1 - old_prob)
+                          * math.log((1 - old_prob + 1e-8) / (1 - prob + 1e-8)))
+                    keep = ((kl <= cfg.clip_high or prob <= old_prob) if A > 0
+                            else (kl <= cfg.clip_low or prob >= old_prob))
+                truncation = cfg.clip_ratio_c if cfg.clip_ratio_c is not None else 20.0
+                if keep:
+                    weight = min(r.item(), truncation)
+                    total = total + c * w * (-weight * A * (logp - old))
+            elif cfg.policy_loss == "sapo":
+                # Gao et al. 2025 (SAPO): f(r) = sigmoid(tau (r - 1)) 4 / tau, l = -f(r) A.
+                tau = cfg.sapo_tau_pos if A > 0 else cfg.sapo_tau_neg
+                total = total + c * w * (-torch.sigmoid(tau * (r - 1)) * 4 / tau * A)
+            elif cfg.policy_loss == "gpg":
+                total = total + c * w * (-A * (logp - old))
+            elif cfg.policy_loss == "kl_cov":
+                token_loss = -r * A
+                if p in picked:
+                    token_loss = token_loss + cfg.kl_cov_coef * (logp - old).abs()
+                total = total + c * w * token_loss
             if cfg.kl_coef > 0:
                 ref = case.reference[p]
                 if cfg.kl_estimator == "k1":
@@ -138,6 +184,35 @@ def _reference_loss(case: _Case, cfg: PolicyLoss.Config) -> torch.Tensor:
                     kl = torch.exp(ref - logp) - 1 - (ref - logp)
                 total = total + cfg.kl_coef * c * kl
     return total
+
+
+def _covariance_picks(case: _Case, sequences: dict, cfg: PolicyLoss.Config) -> set:
+    """Clip-Cov / KL-Cov's picked tokens (Cui et al. 2025, as verl): per microbatch (a grid row
+    here), cov_t = (A_t - mean A)(logp_t - mean logp) over its valid tokens; the
+    max(1, int(fraction * n)) largest (Clip-Cov: among unclipped tokens inside the band)."""
+    if cfg.policy_loss not in ("clip_cov", "kl_cov"):
+        return set()
+    rows: dict[tuple[int, ...], list[tuple[tuple[int, ...], float, float]]] = {}
+    for tokens in sequences.values():
+        for p, g, A in tokens:
+            rows.setdefault(p[:-1], []).append((p, g, A))
+    picked = set()
+    for tokens in rows.values():
+        n = len(tokens)
+        mean_a = sum(A for _, _, A in tokens) / n
+        mean_logp = sum(case.logp[p].item() for p, _, _ in tokens) / n
+        candidates = []
+        for p, g, A in tokens:
+            cov = (A - mean_a) * (case.logp[p].item() - mean_logp)
+            if cfg.policy_loss == "clip_cov":
+                r = math.exp(case.logp[p].item() - g)
+                clipped = -A * min(max(r, 1 - cfg.clip_low), 1 + cfg.clip_high) > -A * r
+                if clipped or not cfg.clip_cov_low < cov < cfg.clip_cov_high:
+                    continue
+            candidates.append((cov, p))
+        k = min(max(int(cfg.cov_fraction * n), 1), len(candidates))
+        picked |= {p for _, p in sorted(candidates, reverse=True)[:k]}
+    return picked
 
 
 def _value_and_grad(case: _Case, loss: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -161,6 +236,18 @@ CONFIGS = [
     dict(policy_loss="cispo", aggregation="seq-mean-token-sum-norm", norm_length=40),
     *(dict(policy_loss="ppo_clip", kl_coef=0.3, kl_estimator=k) for k in ("k1", "k2", "k3")),
     dict(policy_loss="gspo", aggregation="seq-mean-token-mean", kl_coef=0.1, kl_estimator="k3"),
+    dict(policy_loss="dppo_tv", clip_low=0.05, clip_high=0.08),
+    dict(policy_loss="dppo_tv", clip_low=0.05, clip_high=0.08, clip_ratio_c=1.2,
+         aggregation="seq-mean-token-mean"),
+    dict(policy_loss="dppo_kl", clip_low=0.01, clip_high=0.02),
+    dict(policy_loss="sapo", aggregation="seq-mean-token-mean"),
+    dict(policy_loss="sapo", sapo_tau_pos=3.0, sapo_tau_neg=0.5),
+    dict(policy_loss="gmpo", aggregation="seq-mean-token-mean", clip_low=0.4, clip_high=0.4),
+    dict(policy_loss="gmpo", aggregation="token-mean", clip_low=0.1, clip_high=0.2),
+    dict(policy_loss="clip_cov", cov_fraction=0.4, clip_cov_low=0.01, clip_cov_high=5.0),
+    dict(policy_loss="kl_cov", cov_fraction=0.3, kl_cov_coef=2.0),
+    dict(policy_loss="gpg"),
+    dict(policy_loss="gpg", aggregation="seq-mean-token-sum"),
 ]
 
 
@@ -185,6 +272,29 @@ def test_some_tokens_clip_in_the_random_cases() -> None:
     valid = case.batch.loss_mask & torch.isfinite(case.batch.generator_logprobs)
     ratio = torch.exp(case.logp.detach() - case.batch.generator_logprobs)[valid]
     assert ((ratio < 0.8) | (ratio > 1.2)).any() and ((ratio > 0.8) & (ratio < 1.2)).any()
+
+
+@pytest.mark.parametrize("overrides", [c for c in CONFIGS if c["policy_loss"] in (
+    "dppo_tv", "dppo_kl", "gmpo", "clip_cov", "kl_cov")], ids=lambda o: o["policy_loss"])
+def test_the_new_losses_mask_some_tokens_and_not_all_in_the_random_cases(overrides) -> None:
+    """Their equations above would not test the masks and picks if none (or all) were taken."""
+    cfg = PolicyLoss.Config(**overrides)
+    taken = valid = 0.0
+    for seed in range(3):
+        case = _Case(seed)
+        b = case.batch
+        for index in range(b.num_microbatches):
+            data = b.microbatch(index, 0)
+            _, sums, _ = cfg.build()(
+                case.logp[index, 0].detach(), generator_logprobs=data["generator_logprobs"],
+                advantages=data["advantages"], loss_mask=data["loss_mask"],
+                num_global_valid_tokens=b.num_valid_tokens,
+                num_global_valid_sequences=b.num_valid_sequences,
+                document_ids=data["document_ids"],
+                sequence_valid_tokens=data["sequence_valid_tokens"])
+            taken += float(sums["clipped"])
+            valid += float(sums["num_valid_tokens"])
+    assert 0 < taken < valid
 
 
 def test_cispo_value_is_the_formula_on_log_pi_up_to_the_old_logprobs() -> None:
@@ -281,3 +391,30 @@ def test_loss_config_errors_name_the_key() -> None:
         PolicyLoss.Config(kl_coef=-1.0)
     with pytest.raises(ValueError, match="kl_estimator"):
         PolicyLoss.Config(kl_estimator="k4")
+
+
+def test_clip_cov_takes_a_few_unclipped_tokens_out_of_ppo_clip() -> None:
+    """Clip-Cov is PPO-clip except on its picked tokens, whose gradient it zeroes."""
+    case = _Case(0, nan_rate=0.0)
+    common = dict(clip_low=0.2, clip_high=0.2)
+    _, ppo = _value_and_grad(case, case.product_loss(PolicyLoss.Config(**common)))
+    _, cov = _value_and_grad(case, case.product_loss(PolicyLoss.Config(
+        policy_loss="clip_cov", cov_fraction=0.4, clip_cov_low=0.01, **common)))
+    changed = (ppo != cov)
+    assert changed.any() and (cov[changed] == 0).all()
+    assert int(changed.sum()) < int((ppo != 0).sum())
+
+
+def test_k3_is_capped_in_value_and_gradient() -> None:
+    """k3 = exp(x) - 1 - x at x = ref - logp; verl clamps it at 10: above, value 10 and no
+    gradient; below, untouched."""
+    logp = torch.tensor([0.0, 0.0, 0.0], requires_grad=True)
+    ref = torch.tensor([0.5, 3.0, -12.0])  # k3: 0.1487, 16.09, 11.0
+    kl = token_kl(logp, ref, "k3", k3_cap=10.0)
+    kl.sum().backward()
+    assert kl.tolist() == pytest.approx([math.exp(0.5) - 1.5, 10.0, 10.0], rel=1e-6)
+    # d k3 / d logp = 1 - exp(x) below the cap, 0 above it.
+    assert logp.grad.tolist() == pytest.approx([1 - math.exp(0.5), 0.0, 0.0], rel=1e-6)
+    uncapped = token_kl(logp.detach(), ref, "k3")
+    assert uncapped[1].item() == pytest.approx(math.exp(3.0) - 4.0, rel=1e-6)
+    assert PolicyLoss.Config().kl_k3_cap == 10.0

@@ -77,8 +77,8 @@ def _default_rollouter() -> Rollouter.Config:
 class RLJob(Configurable):
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(Configurable.Config):
-        moved_keys = {"async_loop": "moved into [loop]: loop.staleness.max_staleness, "
-                                    "loop.off_policy_correction, loop.tis_cap"}
+        moved_keys = {"async_loop": "moved into [loop]: loop.staleness.max_staleness (and the "
+                                    "off-policy correction into trainer.loss.off_policy)"}
         toml_comments = {"generator.sampling": "Unused in a job: every request carries "
                                                "[sampling] (a job refuses other values here)."}
 
@@ -175,10 +175,8 @@ class RLJob(Configurable):
                           for tp in degrees] or [generator] * c.num_generators
         except ValueError as e:
             raise ConfigError(f"generator_tensor_parallel_degrees={degrees}: {e}") from None
-        trainer = dataclasses.replace(c.trainer, seed=c.seed)
-        if c.loop.uses_tis and trainer.loss.tis_cap is None:
-            trainer = dataclasses.replace(
-                trainer, loss=dataclasses.replace(trainer.loss, tis_cap=c.loop.tis_cap))
+        trainer = dataclasses.replace(c.trainer, seed=c.seed,
+                                      loss=c.loop.resolved_loss(c.trainer.loss))
         sampling = c.sampling if c.sampling.seed is not None else dataclasses.replace(
             c.sampling, seed=c.seed)
         plan = ResolvedJob(

@@ -12,6 +12,15 @@ group). Let G be the number of rollouts that count and r the mean of their rewar
                                                    REINFORCE++ (Hu et al. 2025)
     "reinforce_pp_baseline"  A_i = r_i - r, then whitened over the step's batch
                                                    REINFORCE++ with a group baseline
+    "opo"                    A_i = r_i - b,  b = sum_j l_j r_j / sum_j l_j
+                                                   OPO (Hao et al. 2025, "On-Policy RL with
+                                                   Optimal Reward Baseline"): the length-weighted
+                                                   baseline, l_j rollout j's generated tokens
+                                                   (verl's "opo")
+    "grpo_passk"             the best rollout (the first of the largest reward) gets
+                                                   A = (r_max - r_second) / d, every other 0:
+                                                   pass@k training (Chen et al. 2025, verl's
+                                                   "grpo_passk"); d as "grpo"'s
     "gae"                    per token, from a learned critic's values in the trainer (PPO:
                                                    trainer/critic.py); the group's A_i = r_i here
                                                    only decides whether the group has a signal
@@ -37,7 +46,8 @@ from typing import Literal
 
 from torchtitan_rl.types import TrainingSample
 
-AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
+AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo",
+                             "grpo_passk", "gae"]
 AdvantageStd = Literal["sample", "population", "none"]
 
 STD_EPS = 1e-6
@@ -54,14 +64,15 @@ def group_std(values: list[float], kind: AdvantageStd) -> float:
     return statistics.stdev(values) if kind == "sample" else statistics.pstdev(values)
 
 
-def grpo(values: list[float], advantage_std: AdvantageStd) -> list[float]:
+def grpo(values: list[float], advantage_std: AdvantageStd,
+         lengths: list[int] | None = None) -> list[float]:
     mean = sum(values) / len(values)
-    std = group_std(values, advantage_std)
-    denom = std + STD_EPS if advantage_std != "none" else 1.0
+    denom = _denominator(values, advantage_std)
     return [(r - mean) / denom for r in values]
 
 
-def rloo(values: list[float], advantage_std: AdvantageStd) -> list[float]:
+def rloo(values: list[float], advantage_std: AdvantageStd,
+         lengths: list[int] | None = None) -> list[float]:
     n = len(values)
     if n < 2:
         return [0.0] * n
@@ -69,20 +80,52 @@ def rloo(values: list[float], advantage_std: AdvantageStd) -> list[float]:
     return [r - (total - r) / (n - 1) for r in values]
 
 
-def reinforce_pp(values: list[float], advantage_std: AdvantageStd) -> list[float]:
+def reinforce_pp(values: list[float], advantage_std: AdvantageStd,
+                 lengths: list[int] | None = None) -> list[float]:
     return list(values)
 
 
-def reinforce_pp_baseline(values: list[float], advantage_std: AdvantageStd) -> list[float]:
+def reinforce_pp_baseline(values: list[float], advantage_std: AdvantageStd,
+                          lengths: list[int] | None = None) -> list[float]:
     mean = sum(values) / len(values)
     return [r - mean for r in values]
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[[list[float], AdvantageStd], list[float]]] = {
+def opo(values: list[float], advantage_std: AdvantageStd,
+        lengths: list[int] | None = None) -> list[float]:
+    if lengths is None or len(lengths) != len(values):
+        raise ValueError("advantage 'opo' needs each rollout's generated length")
+    total_length = sum(lengths)
+    if total_length == 0:  # nothing generated: the plain mean
+        return reinforce_pp_baseline(values, advantage_std)
+    baseline = math.fsum(n * r for n, r in zip(lengths, values)) / total_length
+    return [r - baseline for r in values]
+
+
+def grpo_passk(values: list[float], advantage_std: AdvantageStd,
+               lengths: list[int] | None = None) -> list[float]:
+    advantages = [0.0] * len(values)
+    if len(values) < 2:
+        return advantages
+    order = sorted(range(len(values)), key=lambda i: (-values[i], i))
+    best, second = order[0], order[1]
+    advantages[best] = (values[best] - values[second]) / _denominator(values, advantage_std)
+    return advantages
+
+
+def _denominator(values: list[float], advantage_std: AdvantageStd) -> float:
+    return group_std(values, advantage_std) + STD_EPS if advantage_std != "none" else 1.0
+
+
+Estimator = Callable[[list[float], AdvantageStd, list[int] | None], list[float]]
+
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
     "grpo": grpo,
     "rloo": rloo,
     "reinforce_pp": reinforce_pp,
     "reinforce_pp_baseline": reinforce_pp_baseline,
+    "opo": opo,
+    "grpo_passk": grpo_passk,
     "gae": reinforce_pp,  # the trainer replaces it with the critic's GAE
 }
 
@@ -92,9 +135,10 @@ BATCH_WHITENED = frozenset({"reinforce_pp", "reinforce_pp_baseline"})
 
 def group_advantages(
     rewards: list[float], counted: list[bool], *, advantage_std: AdvantageStd,
-    estimator: AdvantageEstimator = "grpo",
+    estimator: AdvantageEstimator = "grpo", lengths: list[int] | None = None,
 ) -> tuple[list[float | None], str | None]:
-    """(advantage per rollout, reason the group has no learning signal or None).
+    """(advantage per rollout, reason the group has no learning signal or None). ``lengths``:
+    each rollout's generated tokens (read by "opo").
 
     Example: rewards [1, 0, 0.5, 0.2], counted [T, T, T, F], grpo with advantage_std "none"
     -> mean 0.5 -> advantages [0.5, -0.5, 0.0, None], reason None. With "sample" the same group
@@ -109,10 +153,14 @@ def group_advantages(
                          f"{estimator!r}")
     if len(rewards) != len(counted):
         raise ValueError(f"{len(rewards)} rewards but {len(counted)} counted flags")
+    if lengths is not None and len(lengths) != len(rewards):
+        raise ValueError(f"{len(rewards)} rewards but {len(lengths)} lengths")
     values = [r for r, c in zip(rewards, counted) if c]
     if not values:
         return [None] * len(rewards), "all_errored"
-    computed = iter(ADVANTAGE_ESTIMATORS[estimator](values, advantage_std))
+    counted_lengths = ([n for n, c in zip(lengths, counted) if c] if lengths is not None
+                       else None)
+    computed = iter(ADVANTAGE_ESTIMATORS[estimator](values, advantage_std, counted_lengths))
     advantages = [next(computed) if c else None for c in counted]
     return advantages, ("zero_std" if group_std(values, "population") == 0.0 else None)
 

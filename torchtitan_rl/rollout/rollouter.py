@@ -90,8 +90,9 @@ class Rollouter(Configurable):
         advantage: AdvantageEstimator = "grpo"
         """Advantage estimator (rollout/advantage.py): "grpo" (scaled by advantage_std), "rloo"
         (leave-one-out baseline), "reinforce_pp" and "reinforce_pp_baseline" (REINFORCE++: no
-        baseline or the group mean, then whitened over each step's batch), "gae" (PPO: from
-        the trainer's critic, needs trainer.critic.enabled)."""
+        baseline or the group mean, then whitened over each step's batch), "opo"
+        (length-weighted baseline), "grpo_passk" (pass@k: only the best rollout, by its margin
+        over the second), "gae" (PPO: from the trainer's critic, needs trainer.critic.enabled)."""
         advantage_std: AdvantageStd = "sample"
         """How "grpo" scales a group's advantages r_i - mean(r). "sample": divided by the group
         reward std with Bessel's correction (n - 1), + 1e-6: GRPO as verl and TRL compute it.
@@ -361,7 +362,8 @@ class Rollouter(Configurable):
             reached = [i for i, values in returns.items() if len(values) > t]
             advantages, no_signal = group_advantages(
                 [returns[i][t] for i in reached], [True] * len(reached),
-                advantage_std=self.config.advantage_std, estimator=self.config.advantage)
+                advantage_std=self.config.advantage_std, estimator=self.config.advantage,
+                lengths=[len(group.rollouts[i].turns[t].completion_token_ids) for i in reached])
             spread |= no_signal is None
             for i, advantage in zip(reached, advantages):
                 group.rollouts[i].turns[t].advantage = advantage
@@ -372,7 +374,8 @@ class Rollouter(Configurable):
                    for r in group.rollouts]
         advantages, no_signal = group_advantages(
             group.rewards, counted, advantage_std=self.config.advantage_std,
-            estimator=self.config.advantage)
+            estimator=self.config.advantage,
+            lengths=[r.num_output_tokens for r in group.rollouts])
         for rollout, advantage in zip(group.rollouts, advantages, strict=True):
             rollout.advantage = advantage
         if self.config.credit == "turn" and no_signal != "all_errored":

@@ -277,6 +277,9 @@ class PolicyTrainerCore(Configurable):
                 sequence_valid_tokens=data["sequence_valid_tokens"],
                 entropy=entropy,
                 reference_logprobs=reference_logprobs,
+                policy_versions=data["policy_versions"],
+                policy_version=self.policy_version,
+                positions=data["positions"],
             )
             if nan_loss_due(self.policy_version):  # fault injection (tests)
                 loss = loss * float("nan")

@@ -7,7 +7,10 @@ pi_theta. With ``log_rho_t = ref_t - logp_t`` (log pi_ref / pi_theta of the samp
     k3 = exp(log_rho) - 1 - log_rho    unbiased, >= 0, low variance (verl's "low_var_kl")
 
 The gradient flows through ``logp_t``. ``log_rho`` is clamped to [-20, 20] before exp (a token the
-reference finds impossible must not overflow k3), as verl clamps its low-variance KL.
+reference finds impossible must not overflow k3), and k3's value is clamped to <= ``k3_cap``
+(``trainer.loss.kl_k3_cap``, default 10), as verl clamps its low-variance KL. Above the cap the
+token's KL gradient is 0; below it k3 <= cap keeps log_rho in about [-(cap + 1), 2.61] (at cap 10),
+so the gradient |d k3 / d logp| = |1 - exp(log_rho)| stays below 12.7 there.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import torch
 KLEstimator = Literal["k1", "k2", "k3"]
 
 LOG_RHO_CLAMP = 20.0
+
+K3_CAP = 10.0
+"""verl's clamp of its low_var_kl (k3) value."""
 
 
 def k1(log_rho: torch.Tensor) -> torch.Tensor:
@@ -39,9 +45,12 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"k1": k1, "k
 
 
 def token_kl(logprobs: torch.Tensor, reference_logprobs: torch.Tensor,
-             estimator: KLEstimator) -> torch.Tensor:
+             estimator: KLEstimator, k3_cap: float | None = None) -> torch.Tensor:
     """Per-token KL estimate of the current policy from the reference (gradient through
-    ``logprobs``)."""
+    ``logprobs``); k3 clamped to <= ``k3_cap`` when given."""
     log_rho = torch.clamp(reference_logprobs.float() - logprobs.float(), -LOG_RHO_CLAMP,
                           LOG_RHO_CLAMP)
-    return KL_ESTIMATORS[estimator](log_rho)
+    kl = KL_ESTIMATORS[estimator](log_rho)
+    if estimator == "k3" and k3_cap is not None:
+        kl = kl.clamp(max=k3_cap)
+    return kl

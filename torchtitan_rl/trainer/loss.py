@@ -1,5 +1,6 @@
-"""The step's policy loss: a per-token loss by name (policy_losses.py), weighted for truncated
-importance sampling, aggregated over tokens and sequences, plus an optional KL term (kl.py).
+"""The step's policy loss: a per-token loss by name (policy_losses.py), weighted by the
+off-policy correction (off_policy.py), aggregated over tokens and sequences, plus an optional KL
+term (kl.py).
 
 Per valid token t (loss_mask = 1 and a finite generator logprob) of sequence i:
 
@@ -12,11 +13,13 @@ Per valid token t (loss_mask = 1 and a finite generator logprob) of sequence i:
     seq-mean-token-mean      c_t = 1 / (N_seqs * T_i)          (GRPO as published, GSPO)
     seq-mean-token-sum-norm  c_t = 1 / (N_seqs * L)            (Dr. GRPO: L a constant length)
 
-* ``ref_t`` is the generator's logprob, and ``w_t = 1`` (plain GRPO / DAPO).
-* With ``tis_cap`` set (truncated importance sampling, Yao et al. 2025, as verl's TIS): the
-  trainer/generator mismatch becomes a detached weight ``w_t = min(exp(logp_t - gen_t), tis_cap)``
-  and the PPO ratio is taken against the trainer's own detached logprob (``ref_t = logp_t``), so one
-  optimizer step per batch gives ``-w_t A_t grad logp_t``.
+* ``ref_t`` is the generator's logprob (or the trainer's own, ``ratio_reference``), and
+  ``w_t = 1`` (plain GRPO / DAPO).
+* With the off-policy correction on (``off_policy``; by default a job turns it on when
+  max_staleness >= 1): the trainer/generator mismatch becomes a detached factor ``w_t`` (importance
+  weight times keep mask, off_policy.py) and the PPO ratio is taken against the trainer's own
+  detached logprob (``ref_t = logp_t``), so one optimizer step per batch gives
+  ``-w_t A_t grad logp_t``.
 
 ``N_tokens`` and ``N_seqs`` count valid tokens and sequences (training samples with a valid token)
 over every microbatch and data-parallel rank of the step, and ``T_i`` is sequence i's valid tokens
@@ -32,14 +35,19 @@ all-reduces over data-parallel ranks (SUM / MAX), then turns into metrics with
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from torchtitan_rl.config.configurable import Configurable
-from torchtitan_rl.trainer.kl import KLEstimator, token_kl
+from torchtitan_rl.trainer import off_policy
+from torchtitan_rl.trainer.kl import K3_CAP, KLEstimator, token_kl
+from torchtitan_rl.trainer.off_policy import OffPolicyCorrection, token_tis, turn_indices
 from torchtitan_rl.trainer.policy_losses import POLICY_LOSSES, PolicyLossName
+
+logger = logging.getLogger(__name__)
 
 # Keys of the sums PolicyLoss returns; finalize_loss_metrics divides them by the right count.
 SUM_KEYS = (
@@ -58,8 +66,9 @@ SUM_KEYS = (
     "num_valid_tokens",
     "num_loss_tokens",
     "num_nan_generator_logprobs",
+    *off_policy.SUM_KEYS,
 )
-MAX_KEYS = ("abs_logprob_diff",)
+MAX_KEYS = ("abs_logprob_diff", *off_policy.MAX_KEYS)
 
 Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                       "seq-mean-token-sum-norm"]
@@ -70,7 +79,10 @@ class PolicyLoss(Configurable):
     class Config(Configurable.Config):
         policy_loss: PolicyLossName = "ppo_clip"
         """Per-token loss (trainer/policy_losses.py): "ppo_clip" (PPO/GRPO/DAPO), "gspo" (one
-        length-normalised ratio per sequence), "cispo" (clipped detached importance weight)."""
+        length-normalised ratio per sequence), "cispo" (clipped detached importance weight),
+        "dppo_tv" / "dppo_kl" (DPPO: masks by probability difference / binary KL), "sapo"
+        (soft gate), "gmpo" (geometric mean of token ratios), "clip_cov" / "kl_cov"
+        (covariance-selected clip / KL), "gpg" (plain policy gradient)."""
         aggregation: Aggregation = "token-mean"
         """How per-token losses add up to the step's loss: "token-mean" over every valid token of
         the step; "seq-mean-token-sum", "seq-mean-token-mean" (each sequence's mean, then the mean
@@ -85,14 +97,33 @@ class PolicyLoss(Configurable):
         clip-higher (e.g. 0.28). >= 0."""
         clip_ratio_c: float | None = None
         """Dual-clip bound c for "ppo_clip" (e.g. 3.0): a negative-advantage token's loss is at
-        most -c * A. None disables. > 1."""
+        most -c * A; for "dppo_tv" / "dppo_kl" the truncation of their detached ratio (None:
+        20, as verl). None disables (ppo_clip). > 1."""
+        sapo_tau_pos: float = 1.0
+        """SAPO's gate temperature for positive-advantage tokens (TRL's default). > 0."""
+        sapo_tau_neg: float = 1.05
+        """SAPO's gate temperature for negative-advantage tokens (TRL's default). > 0."""
+        cov_fraction: float = 2e-4
+        """Clip-Cov / KL-Cov: the fraction of a microbatch's valid tokens (at least 1) whose
+        covariance cov(A, logp) selects them (verl's clip_cov_ratio / kl_cov_ratio). In (0, 1]."""
+        clip_cov_low: float = 1.0
+        """Clip-Cov: only tokens with covariance in (clip_cov_low, clip_cov_high) are picked."""
+        clip_cov_high: float = 5.0
+        """Clip-Cov: the upper end of that band. > clip_cov_low."""
+        kl_cov_coef: float = 1.0
+        """KL-Cov: the coefficient of |log ratio| added to the picked tokens' loss. >= 0."""
         log_ratio_clamp: float = 10.0
         """|log ratio| is clamped to this before exp() so a large mismatch cannot overflow. > 0."""
+        off_policy: OffPolicyCorrection.Config = dataclasses.field(
+            default_factory=OffPolicyCorrection.Config)
+        """The off-policy correction (trainer/off_policy.py): importance weights, masks,
+        rejection and OPSM; on by default in a job whose tokens can be off-policy."""
         tis_cap: float | None = None
-        """Truncated importance sampling cap on exp(trainer - generator logprob); None disables.
-        >= 1 when set (e.g. 2.0)."""
+        """Deprecated (None: not set): ``off_policy.enabled = "on"`` with ``off_policy.is_cap``
+        (token level, no masks); loads as that with a warning. >= 1 when set."""
         ratio_reference: Literal["generator", "trainer"] = "generator"
-        """What the PPO ratio compares the current policy with (without ``tis_cap``).
+        """What the PPO ratio compares the current policy with (while the off-policy
+        correction is off; on, it is the trainer's own logprob).
         ``generator``: the sampling logprobs (GRPO as published). ``trainer``: the trainer's own
         detached logprobs: with one optimizer step per batch the ratio is exactly 1 and the
         gradient is the plain policy gradient, independent of the generator's numerics. vLLM's
@@ -104,6 +135,10 @@ class PolicyLoss(Configurable):
         reference model is built). >= 0."""
         kl_estimator: KLEstimator = "k3"
         """Per-token KL estimator (trainer/kl.py): "k1", "k2" or "k3" (low variance, >= 0)."""
+        kl_k3_cap: float | None = K3_CAP
+        """k3's value is clamped to <= this (its gradient is 0 above it), as verl clamps its
+        low_var_kl at 10: an uncapped k3 grows like exp(|log ratio|) on the tokens that drift
+        furthest. None: uncapped. > 0."""
         kl_placement: Literal["loss", "reward"] = "loss"
         """Where the KL goes: "loss", a term of the loss; "reward", a penalty -kl_coef * KL_t on
         each generated token's reward before GAE (verl's use_kl_in_reward; needs
@@ -120,17 +155,36 @@ class PolicyLoss(Configurable):
                 raise ValueError(f"loss.clip_low must be in [0, 1), got {self.clip_low}")
             if self.clip_high < 0:
                 raise ValueError(f"loss.clip_high must be >= 0, got {self.clip_high}")
-            if self.clip_ratio_c is not None and (self.clip_ratio_c <= 1
-                                                  or self.policy_loss != "ppo_clip"):
-                raise ValueError(f"loss.clip_ratio_c (dual clip) must be > 1 and needs policy_loss "
-                                 f"'ppo_clip', got {self.clip_ratio_c} with "
-                                 f"{self.policy_loss!r}")
+            if self.clip_ratio_c is not None and (
+                    self.clip_ratio_c <= 1
+                    or self.policy_loss not in ("ppo_clip", "dppo_tv", "dppo_kl")):
+                raise ValueError(f"loss.clip_ratio_c must be > 1 and needs policy_loss "
+                                 f"'ppo_clip', 'dppo_tv' or 'dppo_kl', got {self.clip_ratio_c} "
+                                 f"with {self.policy_loss!r}")
+            if not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
+                raise ValueError(f"loss.sapo_tau_pos and loss.sapo_tau_neg must be > 0, got "
+                                 f"{self.sapo_tau_pos} and {self.sapo_tau_neg}")
+            if not 0 < self.cov_fraction <= 1:
+                raise ValueError(f"loss.cov_fraction must be in (0, 1], got {self.cov_fraction}")
+            if not self.clip_cov_high > self.clip_cov_low:
+                raise ValueError(f"loss.clip_cov_high must be > loss.clip_cov_low, got "
+                                 f"{self.clip_cov_high} <= {self.clip_cov_low}")
+            if not self.kl_cov_coef >= 0:
+                raise ValueError(f"loss.kl_cov_coef must be >= 0, got {self.kl_cov_coef}")
+            if self.kl_k3_cap is not None and not self.kl_k3_cap > 0:
+                raise ValueError(f"loss.kl_k3_cap must be > 0 or None, got {self.kl_k3_cap}")
             if self.log_ratio_clamp <= 0:
                 raise ValueError(
                     f"loss.log_ratio_clamp must be > 0, got {self.log_ratio_clamp}"
                 )
-            if self.tis_cap is not None and self.tis_cap < 1:
-                raise ValueError(f"loss.tis_cap must be >= 1 or None, got {self.tis_cap}")
+            if self.tis_cap is not None:
+                if self.tis_cap < 1:
+                    raise ValueError(f"loss.tis_cap must be >= 1 or None, got {self.tis_cap}")
+                logger.warning("trainer.loss.tis_cap is deprecated: read as "
+                               "trainer.loss.off_policy.enabled = 'on', is_level = 'token', "
+                               "is_cap = %s, no masks", self.tis_cap)
+                self.off_policy = token_tis(self.tis_cap)
+                self.tis_cap = None
             if self.norm_length < 0:
                 raise ValueError(f"loss.norm_length must be >= 0, got {self.norm_length}")
             if not self.kl_coef >= 0:
@@ -149,6 +203,7 @@ class PolicyLoss(Configurable):
     def __init__(self, config: Config) -> None:
         self.config = config
         self.policy_loss = POLICY_LOSSES[config.policy_loss]
+        self.correction = config.off_policy.build()
 
     def __call__(
         self,
@@ -163,6 +218,9 @@ class PolicyLoss(Configurable):
         sequence_valid_tokens: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
         reference_logprobs: torch.Tensor | None = None,
+        policy_versions: torch.Tensor | None = None,
+        policy_version: int | None = None,
+        positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Loss of one microbatch and its metric sums and maxima.
 
@@ -180,6 +238,9 @@ class PolicyLoss(Configurable):
             sequence_valid_tokens: [...] valid tokens of each token's sequence (seq-mean-token-mean).
             entropy: [...] optional per-token entropy of the current policy (no grad).
             reference_logprobs: [...] the reference policy's logprobs (needed when kl_coef > 0).
+            policy_versions: [...] the policy version that sampled each token, with
+                ``policy_version`` (the trainer's): the mismatch metrics by policy age.
+            positions: [...] each token's position in its sample: the mismatch metrics by turn.
 
         Returns:
             (loss, sums, maxima): loss is this microbatch's share of the step loss.
@@ -193,22 +254,28 @@ class PolicyLoss(Configurable):
         zeros = torch.zeros_like(logp)
         raw_diff = torch.where(valid, logp.detach() - gen, zeros)
 
-        if cfg.tis_cap is None:
-            reference = gen if cfg.ratio_reference == "generator" else logp.detach()
-            weight = torch.ones_like(logp)
-        else:
+        if self.correction.config.active:
             reference = logp.detach()
-            weight = torch.clamp(torch.exp(raw_diff), max=cfg.tis_cap)
+        else:
+            reference = gen if cfg.ratio_reference == "generator" else logp.detach()
 
         log_ratio = torch.where(valid, logp - reference, zeros)
         log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
         if document_ids is None:
-            if cfg.policy_loss == "gspo" or cfg.aggregation != "token-mean":
+            if cfg.policy_loss in SEQUENCE_LOSSES or cfg.aggregation != "token-mean":
                 raise ValueError(f"loss {cfg.policy_loss!r} with aggregation "
                                  f"{cfg.aggregation!r} needs document_ids")
             document_ids = torch.zeros_like(loss_mask, dtype=torch.int64)
+        ages = None
+        if policy_versions is not None and policy_version is not None:
+            ages = (policy_version - policy_versions).clamp(min=0)
+        turns = turn_indices(loss_mask, positions) if positions is not None else None
+        weight, correction_sums, correction_maxima = self.correction(
+            raw_diff, valid=valid, document_ids=document_ids, advantages=advantages,
+            ages=ages, turns=turns)
         surrogate, clipped_low, clipped_high = self.policy_loss(
-            log_ratio, advantages.float(), valid=valid, document_ids=document_ids, clip=cfg)
+            log_ratio, advantages.float(), valid=valid, document_ids=document_ids, clip=cfg,
+            reference=reference)
         surrogate = torch.where(valid, surrogate * weight, zeros)
         coefficient = _aggregation_coefficient(
             cfg, valid=valid, row_length=logp.shape[-1],
@@ -222,7 +289,8 @@ class PolicyLoss(Configurable):
         if cfg.kl_coef > 0 and cfg.kl_placement == "loss":
             if reference_logprobs is None:
                 raise ValueError("loss.kl_coef > 0 needs the reference model's logprobs")
-            kl = torch.where(valid, token_kl(logp, reference_logprobs, cfg.kl_estimator), zeros)
+            kl = torch.where(valid, token_kl(logp, reference_logprobs, cfg.kl_estimator,
+                                             k3_cap=cfg.kl_k3_cap), zeros)
             kl_weight = (coefficient if coefficient is not None
                          else 1.0 / max(int(num_global_valid_tokens), 1))
             loss = loss + cfg.kl_coef * (kl * kl_weight).sum()
@@ -242,18 +310,20 @@ class PolicyLoss(Configurable):
                 "logprob_diff": raw_diff.sum(),
                 "abs_logprob_diff": raw_diff.abs().sum(),
                 "tis_weight": (weight * validf).sum(),
-                "tis_capped": (
-                    ((torch.exp(raw_diff) > cfg.tis_cap) & valid).float().sum()
-                    if cfg.tis_cap is not None
-                    else zeros.sum()
-                ),
+                "tis_capped": (correction_sums["mm_capped"] if self.correction.config.active
+                               else zeros.sum()),
                 "num_valid_tokens": validf.sum(),
                 "num_loss_tokens": loss_mask.float().sum(),
                 "num_nan_generator_logprobs": (loss_mask & ~finite).float().sum(),
+                **correction_sums,
             }
-            maxima = {"abs_logprob_diff": raw_diff.abs().max() if raw_diff.numel() else zeros.sum()}
+            maxima = {"abs_logprob_diff": raw_diff.abs().max() if raw_diff.numel() else zeros.sum(),
+                      **correction_maxima}
         return loss, sums, maxima
 
+
+SEQUENCE_LOSSES = ("gspo", "gmpo")
+"""Losses that read whole sequences (they need document_ids)."""
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                 "seq-mean-token-sum-norm")
@@ -303,6 +373,7 @@ def finalize_loss_metrics(
         "loss/generator_logprob_nan_frac": sums["num_nan_generator_logprobs"] / num_loss,
         "loss/num_valid_tokens": sums["num_valid_tokens"],
         "loss/num_nan_generator_logprobs": sums["num_nan_generator_logprobs"],
+        **off_policy.finalize_metrics(sums, maxima, sums["num_valid_tokens"]),
     }
 
 

@@ -60,6 +60,8 @@ from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.rollout.task_errors import summarise_task_errors
 from torchtitan_rl.rollout.types import RolloutGroup
 from torchtitan_rl.task import Task
+from torchtitan_rl.trainer.loss import PolicyLoss
+from torchtitan_rl.trainer.off_policy import OffPolicyCorrection, token_tis
 from torchtitan_rl.trainer.trainer import TrainerClient
 from torchtitan_rl.types import GenerateFn, Sampling, TrainingSample
 
@@ -146,13 +148,13 @@ class TrainingLoop(Configurable):
         weight_sync settings decide what happens at a pull). abort: at each weight push,
         running requests are aborted and resumed as prompt + partial tokens on the new weights
         (per-token logprobs and versions kept). Needs S >= 1."""
-        off_policy_correction: Literal["auto", "tis", "none"] = "auto"
-        """tis: truncated importance sampling at token level (``trainer.loss.tis_cap`` set to
-        ``tis_cap`` when the loss has none of its own): stale tokens are weighted by
-        min(pi_trainer / pi_generator, cap). none: the loss exactly as configured. auto: tis when
-        training can be off-policy (max_staleness >= 1), else none."""
-        tis_cap: float = 2.0
-        """The cap used by truncated importance sampling. >= 1."""
+        off_policy_correction: Literal["auto", "tis", "none"] | None = None
+        """Deprecated (None: not set; the correction is set in one place,
+        ``trainer.loss.off_policy``): loads with a warning as token-level truncated IS at
+        ``tis_cap`` (default 2.0), no masks, with trainer.loss.off_policy.enabled = "auto" /
+        "on" / "off" for "auto" / "tis" / "none"."""
+        tis_cap: float | None = None
+        """Deprecated (None: not set): see ``off_policy_correction``. >= 1."""
         replace_dropped_groups: int = 0
         """Dynamic sampling (DAPO): up to this many groups a step, dropped for carrying no signal
         (``rollouter.drop_zero_std_groups``), are replaced by new groups, so a step trains on
@@ -175,7 +177,7 @@ class TrainingLoop(Configurable):
                 raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
             if self.groups_per_step < 1:
                 raise ValueError(f"groups_per_step must be >= 1, got {self.groups_per_step}")
-            if self.tis_cap < 1:
+            if self.tis_cap is not None and self.tis_cap < 1:
                 raise ValueError(f"tis_cap must be >= 1, got {self.tis_cap}")
             if self.replace_dropped_groups < 0:
                 raise ValueError(f"replace_dropped_groups must be >= 0, got "
@@ -187,11 +189,25 @@ class TrainingLoop(Configurable):
                 raise ValueError(f"max_skipped_steps_in_row must be >= 1, got "
                                  f"{self.max_skipped_steps_in_row}")
 
-        @property
-        def uses_tis(self) -> bool:
-            if self.off_policy_correction == "auto":
-                return self.staleness.max_staleness >= 1
-            return self.off_policy_correction == "tis"
+        def resolved_loss(self, loss: PolicyLoss.Config) -> PolicyLoss.Config:
+            """``loss`` with its off-policy correction decided for this loop: "auto" is on when
+            tokens can be off-policy (max_staleness >= 1; partial rollouts need it), else off
+            (the loss exactly as configured). The deprecated keys ``off_policy_correction`` and
+            ``tis_cap`` are read here, with a warning, unless the loss sets its own correction."""
+            correction = loss.off_policy
+            if self.off_policy_correction is not None or self.tis_cap is not None:
+                logger.warning("loop.off_policy_correction and loop.tis_cap are deprecated: set "
+                               "trainer.loss.off_policy (enabled, is_cap, masks) instead")
+                if correction == OffPolicyCorrection.Config():
+                    enabled = {"auto": "auto", "tis": "on", "none": "off"}[
+                        self.off_policy_correction or "auto"]
+                    correction = dataclasses.replace(
+                        token_tis(self.tis_cap if self.tis_cap is not None else 2.0),
+                        enabled=enabled)
+            if correction.enabled == "auto":
+                correction = dataclasses.replace(
+                    correction, enabled="on" if self.staleness.max_staleness >= 1 else "off")
+            return dataclasses.replace(loss, off_policy=correction)
 
     def __init__(self, config: Config, *, parts: RunParts, state: ControllerState,
                  progress: Any = None) -> None:
