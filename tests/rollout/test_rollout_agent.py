@@ -7,6 +7,7 @@ has its status or HTTP error."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -154,6 +155,8 @@ def test_turn_cap_timeout_and_bad_returns() -> None:
     group, _ = _play("returns_text", _yes_for_first_two)
     assert group.rollouts[0].status is RolloutStatus.ERROR_ENV
     assert "agent returned 'done'" in group.rollouts[0].error
+    assert re.search(r"is required at tests/rollout/agent_testlib.py:\d+ \(returns_text\)$",
+                     group.rollouts[0].error)  # where the agent is
 
     group, _ = _play("rewrites", _yes_for_first_two, credit="turn")
     assert group.rollouts[0].status is RolloutStatus.ERROR_ENV

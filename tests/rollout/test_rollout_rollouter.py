@@ -303,12 +303,29 @@ class _BrokenEnv(CountingEnv):
         super().__init__(turns)
         self.mistake = mistake
 
+    async def init(self):  # type: ignore[no-untyped-def]
+        if self.mistake == "init returns a string":
+            return "turn 0: say yes"
+        if self.mistake == "init returns a message without content":
+            return [{"role": "user"}]
+        return await super().init()
+
     async def step(self, assistant_message):  # type: ignore[no-untyped-def]
         if self.mistake == "step raises in turn 2" and self.turn == 1:
             raise KeyError("turn two")
         result = await super().step(assistant_message)
         if self.mistake == "reward part is a string":
             result.reward_parts["yes"] = "1"
+        if self.mistake == "reward part is NaN":
+            result.reward_parts["yes"] = float("nan")
+        if self.mistake == "step returns a gym tuple":
+            return [], 1.0, True
+        if self.mistake == "step returns a dict":
+            return {"messages": [], "done": True}
+        if self.mistake == "EnvStep.messages a dict":
+            result.messages = {"role": "user", "content": "x"}
+        if self.mistake == "EnvStep.reward_parts a list":
+            result.reward_parts = [1.0]
         return result
 
     def score(self, replies, reward_parts):  # type: ignore[no-untyped-def]
@@ -318,6 +335,8 @@ class _BrokenEnv(CountingEnv):
             return "0.5"
         if self.mistake == "score raises":
             raise ZeroDivisionError("division by zero")
+        if self.mistake == "score returns NaN":
+            return float("nan")
         return super().score(replies, reward_parts)
 
 
@@ -336,6 +355,30 @@ class _BrokenEnv(CountingEnv):
     ("reward part is a string", "rollout",
      "step() reward part 'yes' returned '1' (str); a finite int or float is required at "
      "tests/rollout/test_rollout_rollouter.py:"),
+    ("reward part is NaN", "rollout",
+     "step() reward part 'yes' returned nan (float); a finite int or float is required at "
+     "tests/rollout/test_rollout_rollouter.py:"),
+    ("score returns NaN", "rollout",
+     "score() returned nan (float); a finite int or float is required at "
+     "tests/rollout/test_rollout_rollouter.py:"),
+    ("init returns a string", "rollout",
+     "init() returned 'turn 0: say yes' (str); a list of messages ({'role': str, 'content': "
+     "str}) is required at tests/rollout/test_rollout_rollouter.py:"),
+    ("init returns a message without content", "rollout",
+     "init()[0]['content'] returned None (NoneType); a string is required at "
+     "tests/rollout/test_rollout_rollouter.py:"),
+    ("step returns a gym tuple", "rollout",
+     "step() returned ([], 1.0, True) (tuple); an EnvStep(messages=..., done=..., "
+     "reward_parts=...) is required at tests/rollout/test_rollout_rollouter.py:"),
+    ("step returns a dict", "rollout",
+     "step() returned {'messages': [], 'done': True} (dict); an EnvStep("),
+    ("EnvStep.messages a dict", "rollout",
+     "step() EnvStep.messages returned {'role': 'user', 'content': 'x'} (dict); a list of "
+     "messages ({'role': str, 'content': str}) is required at "
+     "tests/rollout/test_rollout_rollouter.py:"),
+    ("EnvStep.reward_parts a list", "rollout",
+     "step() EnvStep.reward_parts returned [1.0] (list); a dict of part name -> number is "
+     "required at tests/rollout/test_rollout_rollouter.py:"),
 ])
 def test_a_task_authors_mistake_fails_the_rollout_naming_the_call_and_its_line(
         mistake: str, credit: str, error: str) -> None:

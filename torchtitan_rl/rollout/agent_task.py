@@ -41,7 +41,12 @@ from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.rollout.agent_capture import EpisodeCapture, EpisodeLimits
 from torchtitan_rl.rollout.agent_server import EpisodeServer
 from torchtitan_rl.rollout.agent_tools import ToolCalls, load_tool_parser
-from torchtitan_rl.rollout.task_errors import RewardTypeError, describe_exception, reward_value
+from torchtitan_rl.rollout.task_errors import (
+    RewardTypeError,
+    describe_exception,
+    function_site,
+    reward_value,
+)
 from torchtitan_rl.rollout.types import Rollout, RolloutStatus
 from torchtitan_rl.task import Split, TaskConfig
 from torchtitan_rl.types import GenerateFn, Sampling
@@ -245,7 +250,7 @@ class AgentEnv:
             logger.log(level, "%s: %s", rollout.session_id, rollout.error)
             return
         try:
-            rollout.reward = self._reward(result, rollout, credit)
+            rollout.reward = self._reward(result, rollout, credit, self.task.agent)
         except ValueError as e:
             rollout.status, rollout.error = RolloutStatus.ERROR_ENV, str(e)
             logger.info("%s: %s", rollout.session_id, e)
@@ -257,15 +262,19 @@ class AgentEnv:
             rollout.status = RolloutStatus.TRUNCATED_LENGTH
 
     @staticmethod
-    def _reward(result: Any, rollout: Rollout, credit: str) -> float:
+    def _reward(result: Any, rollout: Rollout, credit: str, agent: Agent) -> float:
         """The agent's reward (and per-call rewards onto the turns); ValueError naming what it
-        returned when that is not a finite reward."""
+        returned, and where the agent is, when that is not a finite reward."""
         turn_rewards = None
         if isinstance(result, tuple) and len(result) == 2:
             result, turn_rewards = result
-        reward = reward_value(result, "the agent")
+        reward = reward_value(result, "the agent", agent)
         if turn_rewards is not None:
-            values = [reward_value(r, "the agent's per-call rewards") for r in turn_rewards]
+            if not isinstance(turn_rewards, list | tuple):
+                raise RewardTypeError(f"the agent returned per-call rewards {turn_rewards!r:.80}; "
+                                      f"a list of numbers is required at {function_site(agent)}")
+            values = [reward_value(r, "the agent's per-call rewards", agent)
+                      for r in turn_rewards]
             if len(values) != len(rollout.turns):
                 raise RewardTypeError(f"agent returned per-call rewards {values} for "
                                       f"{len(rollout.turns)} model calls (one finite value per "

@@ -1,11 +1,13 @@
 """What a task's own code did wrong, said in one line that points at it.
 
-A task's environment, scorer or agent is user code: when it raises, or returns a reward that is not
-a number, the rollout ends ERROR_ENV with ``Rollout.error`` set by ``describe_exception`` or
-``reward_value``, both naming the user's file and line. The training loop counts these per step
-and stops the run when too many rollouts fail (``loop.max_env_error_fraction``,
-controller/loop/loop.py), so a broken task is reported on its first step, not trained on
-silently.
+A task's environment, scorer or agent is user code: when it raises, returns a reward that is not
+a finite number (NaN, a string, None), or returns something of the wrong type (``init()`` not a
+list of messages, ``step()`` not an EnvStep), the rollout ends ERROR_ENV with ``Rollout.error``
+set by ``describe_exception``, ``reward_value``, ``messages_value`` or ``env_step_value``, each
+naming the call, the field and the user's file and line: never a silent zero. The training loop
+counts these per step (``rollout/status/error_env``) and stops the run when too many rollouts
+fail (``loop.max_task_error_fraction``, controller/loop/loop.py), so a broken task is reported on
+its first step, not trained on silently.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numbers
 import os
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,7 +59,8 @@ def describe_exception(what: str, exc: BaseException) -> str:
 
 
 class RewardTypeError(ValueError):
-    """A task returned a reward that is not a finite number (the message says what and where)."""
+    """A task returned a reward that is not a finite number, or a value of the wrong type (the
+    message says what, which field and where)."""
 
 
 def reward_value(value: Any, what: str, source: Callable[..., Any] | None = None) -> float:
@@ -70,6 +73,45 @@ def reward_value(value: Any, what: str, source: Callable[..., Any] | None = None
     where = f" at {function_site(source)}" if source is not None else ""
     raise RewardTypeError(f"{what} returned {value!r:.80} ({type(value).__name__}); a finite int or "
                      f"float is required{where}")
+
+
+def _wrong(what: str, value: Any, required: str, source: Callable[..., Any] | None) -> NoReturn:
+    where = f" at {function_site(source)}" if source is not None else ""
+    raise RewardTypeError(f"{what} returned {value!r:.80} ({type(value).__name__}); {required} is "
+                          f"required{where}")
+
+
+def messages_value(value: Any, what: str, source: Callable[..., Any] | None = None
+                 ) -> list[dict[str, Any]]:
+    """``value`` (what ``init()`` returned, or an EnvStep's messages) as a list of chat messages,
+    or RewardTypeError naming the message and field that is not one: a message is a dict with a
+    string ``role`` and a string ``content``."""
+    if not isinstance(value, list | tuple):
+        _wrong(what, value, "a list of messages ({'role': str, 'content': str})", source)
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            _wrong(f"{what}[{i}]", message, "a message dict", source)
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                _wrong(f"{what}[{i}][{key!r}]", message.get(key), "a string", source)
+    return list(value)
+
+
+def env_step_value(value: Any, source: Callable[..., Any] | None = None) -> Any:
+    """``value`` (what ``step()`` returned) when it is an EnvStep whose messages are messages and
+    whose reward parts a dict; RewardTypeError naming the field otherwise (a reward part's value
+    is checked by reward_value)."""
+    from torchtitan_rl.rollout.message_env import EnvStep
+
+    if not isinstance(value, EnvStep):
+        _wrong("step()", value, "an EnvStep(messages=..., done=..., reward_parts=...)", source)
+    messages_value(value.messages, "step() EnvStep.messages", source)
+    if not isinstance(value.reward_parts, dict):
+        _wrong("step() EnvStep.reward_parts", value.reward_parts,
+               "a dict of part name -> number", source)
+    if not isinstance(value.done, bool | int) and type(value.done).__name__ != "bool_":
+        _wrong("step() EnvStep.done", value.done, "a bool", source)
+    return value
 
 
 def summarise_task_errors(errors: list[str], num_rollouts: int) -> str:

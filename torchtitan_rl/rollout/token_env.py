@@ -20,7 +20,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtitan_rl.rollout.message_env import EnvStep, Message, MessageEnv
-from torchtitan_rl.rollout.task_errors import RewardTypeError, describe_exception, reward_value
+from torchtitan_rl.rollout.task_errors import (
+    RewardTypeError,
+    describe_exception,
+    env_step_value,
+    messages_value,
+    reward_value,
+)
 from torchtitan_rl.rollout.types import RolloutStatus
 from torchtitan_rl.types import Completion
 
@@ -95,6 +101,10 @@ class TokenEnv:
         except Exception as e:  # the env is user code: any failure ends this rollout only
             return self._fail(RolloutStatus.ERROR_ENV, describe_exception("init()", e), "",
                               exc=e)
+        try:
+            messages = messages_value(messages, "init()", type(self._env).init)
+        except RewardTypeError as e:
+            return self._fail(RolloutStatus.ERROR_ENV, str(e), "")
         self._messages = list(messages)
         prompt_ids = self._encode(self._render(self._messages, add_generation_prompt=True))
         if len(prompt_ids) >= self._max_rollout_tokens:
@@ -127,6 +137,7 @@ class TokenEnv:
             return self._fail(RolloutStatus.ERROR_ENV, describe_exception("step()", e), text,
                               exc=e)
         try:
+            env_step = env_step_value(env_step, type(self._env).step)
             reward_parts = {name: reward_value(value, f"step() reward part {name!r}",
                                                type(self._env).step)
                             for name, value in env_step.reward_parts.items()}
