@@ -63,6 +63,32 @@ def test_three_step_sync_run_logs_finite_metrics_tensorboard_and_checkpoints(uni
             assert key in metrics[step], (step, key)
             assert math.isfinite(metrics[step][key]), (step, key, metrics[step][key])
     assert metrics[0]["loss/num_valid_tokens"] > 0  # the tiny model really trained
+    # every step trained (the random model's rewards have spread): counted, step by step, and
+    # said by the summary; the answers per step, none collapsed
+    assert summary["trained_steps"] == 3 and summary["untrained_steps"] == 0
+    assert [metrics[step]["run/steps_trained"] for step in range(3)] == [1.0, 2.0, 3.0]
+    assert all(metrics[step]["run/step_trained"] == 1.0 for step in range(3))
+    for step in range(3):
+        assert 1 <= metrics[step]["rollout/answers_distinct_per_group"] <= 4  # group_size 4
+        assert 1 / 8 <= metrics[step]["rollout/answers_top_share"] <= 1  # 2 groups x 4
+        assert metrics[step]["rollout/entropy_estimate"] > 0  # -mean(sampled logprobs)
+    assert summary["answer_collapse"] is None
+    assert summary["constant_answer_reward"] is None  # LetterTask cannot solve its episodes
+    # where the wall time went: every part measured, together within the run's wall time
+    breakdown = summary["wall_s_breakdown"]
+    assert list(breakdown) == ["model", "warm_start", "start_up", "validation", "steps",
+                               "checkpoints", "export", "shutdown"]
+    assert breakdown["start_up"] > 0 and breakdown["steps"] > 0
+    assert all(seconds >= 0 for seconds in breakdown.values())
+    assert sum(breakdown.values()) <= summary["wall_s"] + 0.01 * len(breakdown)  # rounding
+    # each validation's rollouts are kept, decoded, as the training rollouts are
+    validation = [json.loads(line) for line in
+                  (run_dir / "rollouts" / "validation.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in validation] == [0, 0, 3, 3]  # 2 prompts, before and after
+    assert [r["reward"] for r in validation[:2]] == before  # the first validation's episodes
+    assert sum(r["reward"] for r in validation[2:]) / 2 == pytest.approx(summary["reward_after"])
+    assert all(r["completion_text"] and r["prompt_text"].startswith("<|im_start|>")
+               for r in validation)
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

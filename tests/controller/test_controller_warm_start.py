@@ -15,6 +15,7 @@ from torchtitan_rl.assets.warm_start import (
     LENGTH_GROUP_BATCHES,
     WarmStart,
     _tokenize_with_assistant_mask,
+    warm_start_metrics,
 )
 
 TASK = AlphabetSortTask.Config(min_turns=1, max_turns=3, min_names_per_turn=1,
@@ -105,6 +106,12 @@ def test_warm_start_learns_and_its_cache_is_reused(tiny_model_dir, tmp_path, cap
               if "loss=" in r.getMessage()]
     assert losses[-1] < 0.6 * losses[0], losses
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    # its loss, kept beside the model for the run's metrics: the logged first step's, and the
+    # mean of its last tenth (4 steps) around the logged last step's
+    metrics = warm_start_metrics(out)
+    assert metrics["warm_start/num_steps"] == 40 and metrics["warm_start/train_s"] > 0
+    assert metrics["warm_start/loss_first"] == pytest.approx(losses[0], abs=1e-4)
+    assert metrics["warm_start/loss_last"] < 0.6 * metrics["warm_start/loss_first"]
     written = (out / "model.safetensors").stat().st_mtime_ns
 
     caplog.clear()

@@ -49,9 +49,15 @@ def test_running_sum_toml_trains_two_steps_on_the_tiny_model(tmp_path, tiny_mode
     for key, value in summary["reward_after_per_turn"].items():
         assert final_validation[f"validation/{key}"] == value, key
     assert "reward_before=" in proc.stdout + proc.stderr
+    assert f"trained_steps={summary['trained_steps']}/{NUM_STEPS}" in proc.stdout
+    assert summary["wall_s_breakdown"]["warm_start"] > 0  # trained here, not cached
 
     # the warm start trained on the task's conversations and the run used it
     assert len(list((tmp_path / "warmstart").glob("*/config.json"))) == 1
+    # ... and its loss is in the run's metrics (every tracker's too) at step 0
+    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0 and first["warm_start/num_steps"] == 40
+    assert first["warm_start/loss_last"] < first["warm_start/loss_first"]
     rollouts = [json.loads(line) for line in
                 (run_dir / "rollouts" / "rollouts.jsonl").read_text().splitlines()]
     assert rollouts and all(r["episode_id"].startswith("train/") for r in rollouts)

@@ -262,7 +262,7 @@ class RLJob(Configurable):
             "untrained_steps": len(state.untrained_steps),
             "answer_collapse": collapse.to_data() if collapse is not None else None,
             "constant_answer_reward": baseline.reward if baseline is not None else None,
-            "wall_s_breakdown": {part: round(seconds, 1) for part, seconds in wall.items()},
+            "wall_s_breakdown": {part: round(seconds, 2) for part, seconds in wall.items()},
         }
 
     def _open_run_folder(self, plan: ResolvedJob) -> tuple[
