@@ -221,8 +221,22 @@ def test_async_partial_rollouts_over_two_generators_stay_within_staleness(tmp_pa
     # One host: each generator maps the push from shared memory; the bytes count once each.
     assert metrics[0]["weight_sync/generators_by_shared_memory"] == 2
     assert metrics[0]["weight_sync/bytes_moved"] == 2 * TINY_MODEL_BYTES
-    # Truncated importance sampling is on by default off-policy: weights are pi/pi_gen, not 1.
+    # The off-policy correction is on by default off-policy (token TIS + IcePop mask): weights
+    # are pi/pi_gen, not 1, and the mismatch metrics account for every trained token, by policy
+    # age and by turn (one turn: all in turn 0).
+    assert RLJob(config).resolve().trainer.loss.off_policy.enabled == "on"
     assert any(metrics[step]["loss/tis_weight_mean"] != 1.0 for step in range(3))
+    for step in range(3):
+        m = metrics[step]
+        assert m["loss/tis_weight_mean"] == pytest.approx(m["mismatch/weight_mean"]), (step, m)
+        assert 0.0 <= m["mismatch/masked_token_frac"] <= 1.0
+        assert (m["mismatch/masked_seq_frac"] > 0) == (m["mismatch/masked_token_frac"] > 0)
+        assert 0.0 <= m["mismatch/weight_max"] <= 2.0  # is_cap
+        assert m["mismatch/k3_token_mean"] >= 0.0 and math.isfinite(m["mismatch/k1_token_mean"])
+        ages = [a for a in ("0", "1", "2", "3", "4+") if f"mismatch/age_{a}/num_tokens" in m]
+        assert sum(m[f"mismatch/age_{a}/num_tokens"] for a in ages) == m["loss/num_valid_tokens"]
+        assert ("1" in ages) == (m["async/policy_age_max"] >= 1) and set(ages) <= {"0", "1"}
+        assert m["mismatch/turn_0/num_tokens"] == m["loss/num_valid_tokens"]
     last = metrics[2]
     assert last["router/generator_0/num_routed"] > 0 and last["router/generator_1/num_routed"] > 0
     assert last["async/groups_trained"] == 3 * config.loop.groups_per_step

@@ -110,9 +110,9 @@ def _reference_factors(case: _Case, cfg: OffPolicyCorrection.Config) -> dict[tup
         else:
             raw = [1.0] * T
         weights = [min(w, cfg.is_cap) if cfg.is_cap is not None else w for w in raw]
-        geometric = math.exp(sum(xs) / T)
-        sequence_keep = ((cfg.seq_mask_low is None or geometric >= cfg.seq_mask_low)
-                         and (cfg.seq_mask_high is None or geometric <= cfg.seq_mask_high))
+        sequence_ratio = math.exp(sum(xs) / T if cfg.seq_mask_metric == "geometric" else sum(xs))
+        sequence_keep = ((cfg.seq_mask_low is None or sequence_ratio >= cfg.seq_mask_low)
+                         and (cfg.seq_mask_high is None or sequence_ratio <= cfg.seq_mask_high))
         mean_k1 = sum(_k("k1", x) for x in xs) / T
         for (p, x, A), w in zip(tokens, weights):
             r = math.exp(x)
@@ -124,7 +124,7 @@ def _reference_factors(case: _Case, cfg: OffPolicyCorrection.Config) -> dict[tup
                 values = [_k(estimator, y) for y in xs]
                 stat = {"token": _k(estimator, x), "seq_sum": sum(values),
                         "seq_mean": sum(values) / T,
-                        "seq_max": max(values)}[level]
+                        "seq_max": max(abs(v) if estimator == "k1" else v for v in values)}[level]
                 keep &= (abs(stat) if estimator == "k1" else stat) <= tau
             if cfg.opsm_threshold is not None and A < 0 and mean_k1 > cfg.opsm_threshold:
                 keep = False
@@ -153,14 +153,16 @@ def _reference_factors(case: _Case, cfg: OffPolicyCorrection.Config) -> dict[tup
 
 REJECT_THRESHOLDS = {"token_k1": 0.5, "token_k2": 0.1, "token_k3": 0.1, "seq_sum_k1": 1.0,
                      "seq_sum_k2": 0.8, "seq_sum_k3": 0.8, "seq_mean_k1": 0.2,
-                     "seq_mean_k2": 0.1, "seq_mean_k3": 0.1, "seq_max_k2": 0.5,
-                     "seq_max_k3": 0.5}
+                     "seq_mean_k2": 0.1, "seq_mean_k3": 0.1, "seq_max_k1": 1.5,
+                     "seq_max_k2": 0.5, "seq_max_k3": 0.5}
 MENU = [
     C(enabled="on"),  # the default when tokens can be off-policy: token TIS + IcePop mask
     C(enabled="on", is_level="sequence", is_cap=3.0, **NO_MASKS),
     C(enabled="on", is_level="geometric", is_cap=1.2, **NO_MASKS),
     C(enabled="on", is_level="geometric", is_cap=None, seq_mask_low=0.8, seq_mask_high=1.25,
       **NO_MASKS),  # seq-mask-tis
+    C(enabled="on", is_level="sequence", is_cap=None, seq_mask_high=3.0, seq_mask_metric="product",
+      **NO_MASKS),  # TRL's sequence_mask
     C(enabled="on", is_cap=None, token_mask_low=0.5, token_mask_high=2.0),  # IcePop, untruncated
     *(C(enabled="on", is_level="none", reject=[o], reject_threshold=[t], **NO_MASKS)
       for o, t in REJECT_THRESHOLDS.items()),
@@ -201,7 +203,8 @@ def test_each_option_weighs_and_masks_as_its_equation(correction) -> None:
                                                                     rel=1e-5)
     assert unmasked_somewhere
     has_mask = (correction.reject or correction.opsm_threshold is not None
-                or correction.token_mask_low is not None or correction.seq_mask_low is not None)
+                or correction.token_mask_low is not None or correction.seq_mask_low is not None
+                or correction.seq_mask_high is not None)
     assert masked_somewhere == bool(has_mask), "the random cases must exercise the mask"
 
 

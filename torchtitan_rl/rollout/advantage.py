@@ -19,8 +19,8 @@ group). Let G be the number of rollouts that count and r the mean of their rewar
                                                    (verl's "opo")
     "grpo_passk"             the best rollout (the first of the largest reward) gets
                                                    A = (r_max - r_second) / d, every other 0:
-                                                   pass@k training (Chen et al. 2025, verl's
-                                                   "grpo_passk"); d as "grpo"'s
+                                                   pass@k training (arXiv 2503.19595, as
+                                                   verl's "grpo_passk"); d as "grpo"'s
     "gae"                    per token, from a learned critic's values in the trainer (PPO:
                                                    trainer/critic.py); the group's A_i = r_i here
                                                    only decides whether the group has a signal

@@ -19,11 +19,13 @@ Importance weight (detached), by ``is_level``, truncated at ``is_cap`` (None: no
 Keep mask m_t in {0, 1}, the product of every option that is set:
 
     token mask (IcePop)         token_mask_low <= r_t <= token_mask_high
-    sequence mask (geometric)   seq_mask_low <= exp(mean_{s in i} log r_s) <= seq_mask_high
+    sequence mask               seq_mask_low <= R_i <= seq_mask_high, R_i by seq_mask_metric:
+                                exp(mean_{s in i} log r_s) ("geometric") or
+                                exp(sum_{s in i} log r_s) ("product")
     rejection "<level>_k<n>"    with threshold tau (``reject`` / ``reject_threshold``):
         token_kn  k_n,t <= tau;  seq_sum_kn  sum_i k_n <= tau;  seq_mean_kn  mean_i k_n <= tau;
         seq_max_kn  max_i k_n <= tau;  for k1 (signed) the bound is on |k1| (|log r| <= tau:
-        verl's k1 bounds (e^-tau, e^tau))
+        verl's k1 bounds (e^-tau, e^tau)); seq_max_k1 bounds every token's |log r| in i
     OPSM                        not (A_t < 0 and mean_{s in i} k1_s > opsm_threshold)
 
 With ``batch_normalize`` the kept weights are divided by their mean: over the kept valid tokens
@@ -58,7 +60,8 @@ from torchtitan_rl.config.configurable import Configurable
 IsLevel = Literal["token", "sequence", "geometric", "none"]
 
 REJECT_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-                  "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+                  "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k1", "seq_max_k2",
+                  "seq_max_k3")
 
 LOG_RATIO_BOUND = 20.0
 """|sum or mean of log r| is clamped to this before exp (verl's SAFETY_BOUND)."""
@@ -98,13 +101,17 @@ class OffPolicyCorrection(Configurable):
         token_mask_high: float | None = 8.0
         """IcePop: tokens whose ratio is above this are masked; None: no upper bound. > low."""
         seq_mask_low: float | None = None
-        """Sequences whose geometric-mean ratio is below this are masked (seq-mask-tis, SkyRL's
-        geometric sequence mask); None: no lower bound. > 0."""
+        """Sequences whose ratio (``seq_mask_metric``) is below this are masked (seq-mask-tis,
+        SkyRL's sequence mask); None: no lower bound. > 0."""
         seq_mask_high: float | None = None
-        """Sequences whose geometric-mean ratio is above this are masked; None: no bound."""
+        """Sequences whose ratio is above this are masked; None: no upper bound."""
+        seq_mask_metric: Literal["geometric", "product"] = "geometric"
+        """The sequence mask's ratio: "geometric" (the geometric mean of the token ratios) or
+        "product" (their product: TRL's sequence_mask, SkyRL's product mask)."""
         reject: list[str] = dataclasses.field(default_factory=list)
         """Rejection by divergence, combinable (all must pass): any of token_k1..3,
-        seq_sum_k1..3, seq_mean_k1..3, seq_max_k2, seq_max_k3 (verl's rollout_rs names)."""
+        seq_sum_k1..3, seq_mean_k1..3, seq_max_k1..3 (verl's rollout_rs names; seq_max_k1 is
+        SkyRL's outlier-token sequence mask)."""
         reject_threshold: list[float] = dataclasses.field(default_factory=list)
         """One threshold per ``reject`` entry, or one for all. > 0."""
         opsm_threshold: float | None = None
@@ -117,6 +124,9 @@ class OffPolicyCorrection(Configurable):
             if self.enabled not in ("auto", "on", "off"):
                 raise ValueError(f"{key}.enabled must be 'auto', 'on' or 'off', got "
                                  f"{self.enabled!r}")
+            if self.seq_mask_metric not in ("geometric", "product"):
+                raise ValueError(f"{key}.seq_mask_metric must be 'geometric' or 'product', got "
+                                 f"{self.seq_mask_metric!r}")
             if self.is_level not in ("token", "sequence", "geometric", "none"):
                 raise ValueError(f"{key}.is_level must be 'token', 'sequence', 'geometric' or "
                                  f"'none', got {self.is_level!r}")
@@ -191,8 +201,10 @@ class OffPolicyCorrection(Configurable):
             ratio = torch.exp(log_ratio.clamp(max=LOG_RATIO_BOUND))
 
             token_keep = _within(ratio, cfg.token_mask_low, cfg.token_mask_high)
-            geometric = torch.exp(mean_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-            seq_keep = _within(geometric, cfg.seq_mask_low, cfg.seq_mask_high)
+            sequence_log_ratio = (mean_log_ratio if cfg.seq_mask_metric == "geometric"
+                                  else seq.broadcast(seq.sum(log_ratio)))
+            sequence_ratio = torch.exp(sequence_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+            seq_keep = _within(sequence_ratio, cfg.seq_mask_low, cfg.seq_mask_high)
             reject_keep = torch.ones_like(valid)
             for option, tau in cfg.thresholds().items():
                 reject_keep &= _passes(option, tau, {"k1": k1, "k2": k2, "k3": k3}, seq)
@@ -332,6 +344,8 @@ def _passes(option: str, tau: float, per_token: dict[str, torch.Tensor],
         stat = seq.broadcast(seq.sum(values))
     elif level == "seq_mean":
         stat = seq.broadcast(seq.mean(values))
+    elif estimator == "k1":  # seq_max_k1: the largest |k1| of the sequence
+        return seq.broadcast(seq.max(values.abs())) <= tau
     else:
         stat = seq.broadcast(seq.max(values))
     return (stat.abs() if estimator == "k1" else stat) <= tau
