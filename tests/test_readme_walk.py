@@ -33,6 +33,8 @@ NOT_OPENED: dict[str, str] = {
     "torchtitan_rl.controller.checkpoint": "checkpoints, every K steps",
     "torchtitan_rl.controller.loop.validation": "held-out validation, before and after",
     "torchtitan_rl.controller.loop.idle_ratios": "step metrics",
+    "torchtitan_rl.controller.loop.run_health": "step metrics, the run's health warnings",
+    "torchtitan_rl.controller.loop.constant_answer": "validation's constant-answer baseline",
     "torchtitan_rl.controller.supervision": "lost meshes and their replacement",
     "torchtitan_rl.controller.hosts": "where the meshes were spawned (start-up)",
     "torchtitan_rl.trainer.parallel": "the model's parallelism, set up once",
