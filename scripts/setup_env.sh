@@ -7,6 +7,23 @@ venv="$root/.venv"
 python_bin="${PYTHON:-python3.11}"
 command -v "$python_bin" >/dev/null 2>&1 || python_bin=python3
 
+# `--browser` (scripts/test.sh): also Debian's headless chromium, which the rollout viewer's test
+# drives (tests/metrics/headless_chromium.py, over the DevTools protocol: no driver, no download).
+# Installed once, as root with apt-get; elsewhere one line says so, and that test skips (under
+# CI=true it fails: there it must run).
+if [ "${1:-}" = "--browser" ] && ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+        echo "[setup] chromium is missing and this is not root with apt-get: the rollout" \
+             "viewer's browser test will skip (fail under CI=true); install Debian's chromium" >&2
+    else
+        echo "[setup] installing Debian's chromium for the rollout viewer's browser test (once)" >&2
+        { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+            --no-install-recommends chromium; } >/dev/null ||
+            echo "[setup] apt-get could not install chromium (above): the rollout viewer's" \
+                 "browser test will skip (fail under CI=true)" >&2
+    fi
+fi
+
 stamp_value="$(sha256sum "$root/pyproject.toml" | cut -c1-16)"
 stamp_file="$venv/.torchtitan_rl-installed"
 

@@ -10,7 +10,7 @@
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-bash scripts/setup_env.sh || exit 1
+bash scripts/setup_env.sh --browser || exit 1
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
 # Bytecode is written once and read by every later process (controller, trainer, generators):
 # with PYTHONDONTWRITEBYTECODE set (some boxes set it), each would compile torch's, vLLM's and

@@ -233,3 +233,15 @@ def test_per_turn_credit_reaches_the_trainer_and_validation_reports_each_turn(mu
     assert metrics[0]["loss/kl_mean"] == 0.0
     assert metrics[1]["loss/kl_mean"] > 0.0
     assert all(math.isfinite(metrics[s]["loss/objective"]) for s in range(NUM_STEPS))
+
+
+def test_rollout_viewer_of_the_run_works_in_a_real_browser(multi_turn_run):
+    """The page the run wrote, in headless Chromium (tests/metrics/rollout_viewer_browser.py):
+    every recorded rollout and turn shown, the filters and the side-by-side step exact, no
+    console error."""
+    from tests.metrics.headless_chromium import require_chromium
+    from tests.metrics.rollout_viewer_browser import assert_viewer_works
+
+    require_chromium()
+    run_dir, _ = multi_turn_run
+    assert_viewer_works(run_dir, screenshot=run_dir / "rollout_viewer.png")

@@ -126,12 +126,14 @@ class HeadlessChromium:
         self._events.append(message)
 
     def open(self, path: pathlib.Path, fragment: str = "") -> None:
-        """Load ``path`` (file://) and wait for its load event (its scripts have run)."""
-        self._events.clear()
+        """Load ``path`` (file://) and wait for its load event (its scripts have run). Through
+        about:blank: the same page with another fragment would otherwise not load again."""
         url = pathlib.Path(path).resolve().as_uri() + (f"#{fragment}" if fragment else "")
-        self._call("Page.navigate", url=url)
-        while not any(e.get("method") == "Page.loadEventFired" for e in self._events):
-            self._on_event(json.loads(self._socket.recv(timeout=CALL_TIMEOUT_S)))
+        for address in ("about:blank", url):
+            self._events.clear()
+            self._call("Page.navigate", url=address)
+            while not any(e.get("method") == "Page.loadEventFired" for e in self._events):
+                self._on_event(json.loads(self._socket.recv(timeout=CALL_TIMEOUT_S)))
 
     def evaluate(self, expression: str) -> Any:
         """The value of a JavaScript expression in the page (an exception fails the call)."""

@@ -3,7 +3,8 @@
 ``assert_viewer_works(run_dir)`` is the check a job test calls on its finished run: the page the
 run wrote (rollout_viewer.html) loads from file:// with no console error, shows one row per
 recorded rollout (counts and texts from rollouts.jsonl itself), and its step, status, reward and
-text filters, the side-by-side step and the URL fragment give exactly the rows the file says.
+text filters, the side-by-side step, the URL fragment and the validations' rollouts
+(validation.jsonl) give exactly the rows the files say.
 
 A screenshot of a run's page (the one in docs/images/ came from here)::
 
@@ -20,7 +21,11 @@ from collections import Counter
 from typing import Any
 
 from tests.metrics.headless_chromium import HeadlessChromium
-from torchtitan_rl.metrics.rollout_viewer import DEFAULT_ROLLOUTS_PATH, DEFAULT_VIEWER_PATH
+from torchtitan_rl.metrics.rollout_viewer import (
+    DEFAULT_ROLLOUTS_PATH,
+    DEFAULT_VIEWER_PATH,
+    VALIDATION_FILE,
+)
 
 _SET = """((id, value) => {{
   const input = document.getElementById(id);
@@ -120,6 +125,17 @@ def assert_viewer_works(run_dir: pathlib.Path, screenshot: pathlib.Path | None =
         browser.open(page, f"step={steps[-1]}&status={status}")
         assert _rows(browser) == _expected(
             records, lambda r: r["step"] == steps[-1] and r["status"] == status)
+        # the validations' rollouts: the other set, with their own steps
+        validation = [json.loads(line) for line in
+                      (run_dir / DEFAULT_ROLLOUTS_PATH).with_name(VALIDATION_FILE).read_text(
+                      ).splitlines()]
+        assert validation, "the run validated: its rollouts are kept"
+        browser.open(page)
+        _set(browser, "set", "validation")
+        assert _rows(browser) == _expected(validation)
+        assert browser.evaluate("[...document.querySelectorAll('#step option')].map(o => o.value)"
+                                ) == ["all", *map(str, sorted({r["step"] for r in validation}))]
+        assert "set=validation" in browser.evaluate("location.hash")
         if screenshot is not None:
             browser.open(page)
             browser.screenshot(screenshot)

@@ -1,6 +1,5 @@
 """The rollout viewer's page, without a browser: what the recorder keeps for it (each token and
-its generator logprob), what the page embeds (every recorded rollout, the step metrics, the
-summary), that no text a model wrote can break out of the page's script, that unreadable lines are
+its generator logprob), what the page embeds (every recorded rollout, the step metrics), that no text a model wrote can break out of the page's script, that unreadable lines are
 counted, and the command that rewrites it. The page in a real browser: tests/metrics/
 rollout_viewer_browser.py, on the multi-turn job's run (test_controller_multi_turn_job.py)."""
 
@@ -10,8 +9,6 @@ import json
 import math
 import pathlib
 import re
-
-import pytest
 
 from tests.rollout.rollout_testlib import tiny_tokenizer
 from torchtitan_rl.metrics.rollout_viewer import main, write_viewer
@@ -48,7 +45,7 @@ def test_recorder_keeps_each_token_and_its_generator_logprob_and_writes_the_view
     group = _group(tokenizer)
     recorder = RolloutRecorder.Config(every_k_steps=1).build(run_dir=tmp_path)
     assert recorder.write_viewer() == tmp_path / "rollout_viewer.html"  # before any: an empty page
-    assert _embedded(tmp_path / "rollout_viewer.html")["rollouts"] == []
+    assert _embedded(tmp_path / "rollout_viewer.html")["sets"]["training"] == []
     assert recorder.maybe_record(0, [group], tokenizer)
     line = json.loads((tmp_path / "rollouts" / "rollouts.jsonl").read_text().splitlines()[0])
     turn = line["turns"][0]
@@ -60,34 +57,41 @@ def test_recorder_keeps_each_token_and_its_generator_logprob_and_writes_the_view
     page = recorder.write_viewer()
     assert page == tmp_path / "rollout_viewer.html"
     data = _embedded(page)
-    assert [r["sample_id"] for r in data["rollouts"]] == ["group=3/rollout=0", "group=3/rollout=1"]
-    assert data["rollouts"][0]["turns"][0] == turn
-    assert RolloutRecorder.Config(viewer_path=None).build(run_dir=tmp_path).write_viewer() is None
+    assert [r["sample_id"] for r in data["sets"]["training"]] == ["group=3/rollout=0",
+                                                                  "group=3/rollout=1"]
+    assert data["sets"]["training"][0]["turns"][0] == turn
+    assert data["sets"]["validation"] == []
+    assert recorder.record_validation(4, [group], tokenizer)  # a validation: the other set
+    validation = _embedded(recorder.write_viewer())["sets"]["validation"]
+    assert [(r["step"], r["sample_id"]) for r in validation] == [(4, "group=3/rollout=0"),
+                                                                 (4, "group=3/rollout=1")]
+    assert RolloutRecorder.Config(viewer=False).build(run_dir=tmp_path).write_viewer() is None
     assert RolloutRecorder.Config(every_k_steps=0).build(run_dir=tmp_path).write_viewer() is None
 
 
-def test_viewer_embeds_rollouts_step_metrics_and_summary_and_escapes_model_text(tmp_path):
+def test_viewer_embeds_rollouts_and_step_metrics_and_escapes_model_text(tmp_path):
     record = {"step": 0, "sample_id": "group=0/rollout=0", "group_id": 0, "status": "completed",
               "reward": 1.0, "advantage": 0.5, "num_turns": 1,
               "turns": [{"completion_text": HOSTILE_TEXT, "reward_parts": {}}]}
     (tmp_path / "rollouts").mkdir()
     (tmp_path / "rollouts" / "rollouts.jsonl").write_text(
         json.dumps(record) + "\n" + '{"step": 10, "sample_id": "cut sho')  # a killed run's line
-    (tmp_path / "metrics.jsonl").write_text(
-        json.dumps({"step": 0, "rollout_reward/mean": 0.25, "loss/entropy_mean": math.nan,
-                    "not/shown": 1.0}) + "\n" + json.dumps({"step": 0, "time/step_s": 2.0}) + "\n")
-    (tmp_path / "summary.json").write_text(json.dumps({"reward_before": 0.1, "rise": 0.2,
-                                                       "run_dir": "elsewhere"}))
+    (tmp_path / "rollouts" / "validation.jsonl").write_text("[1, 2]\n")  # not a rollout
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in [
+        {"step": 2, "validation/reward_mean": 0.5},
+        {"step": 0, "rollout_reward/mean": 0.25, "loss/entropy_mean": math.nan, "not/shown": 1.0},
+        {"step": 0, "time/step_s": 2.0}]) + "\n")
     page = write_viewer(tmp_path)
     text = page.read_text()
     assert text.count("</script>") == 2  # the page's data and code, no other
     assert HOSTILE_TEXT not in text
     data = _embedded(page)
-    assert data["rollouts"] == [record]  # the text itself is intact
-    assert data["num_skipped_lines"] == 1
+    assert data["sets"]["training"] == [record]  # the text itself is intact
+    assert data["num_skipped_lines"] == 2
+    assert data["sets"]["validation"] == []
     assert data["step_metrics"] == {"0": {"rollout_reward/mean": 0.25, "loss/entropy_mean": None,
-                                          "time/step_s": 2.0}}
-    assert data["summary"] == {"reward_before": 0.1, "rise": 0.2}
+                                          "time/step_s": 2.0},
+                                    "2": {"validation/reward_mean": 0.5}}
     assert not list(tmp_path.glob("*.partial"))
 
 
@@ -99,9 +103,4 @@ def test_viewer_command_rewrites_the_page_and_names_what_is_missing(tmp_path, ca
     (tmp_path / "rec").mkdir()
     (tmp_path / "rec" / "r.jsonl").write_text(json.dumps({"step": 0, "turns": []}) + "\n")
     assert main([str(tmp_path), "--rollouts", "rec/r.jsonl", "--out", "view.html"]) == 0
-    assert _embedded(tmp_path / "view.html")["rollouts"] == [{"step": 0, "turns": []}]
-
-
-def test_recorder_config_refuses_an_absolute_viewer_path():
-    with pytest.raises(ValueError, match="viewer_path must be relative to the run directory"):
-        RolloutRecorder.Config(viewer_path="/tmp/page.html")
+    assert _embedded(tmp_path / "view.html")["sets"]["training"] == [{"step": 0, "turns": []}]

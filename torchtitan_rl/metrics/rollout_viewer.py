@@ -1,6 +1,6 @@
 """The rollout viewer: a run's recorded rollouts as one self-contained HTML page.
 
-    rollouts/rollouts.jsonl (RolloutRecorder) + metrics.jsonl + summary.json
+    rollouts/rollouts.jsonl (RolloutRecorder) + metrics.jsonl
         --write_viewer(run_dir)--> run_dir/rollout_viewer.html (inline CSS, JS and data)
 
 The page needs no server and no network: open it from the run folder (file://). It shows the
@@ -11,8 +11,8 @@ the sampled token; filters by step, status, reward and text; a second step side 
 filters live in the page's URL (``#step=10&compare=20&status=completed``), so a link or a
 bookmark reopens the same view.
 
-The training loop rewrites it at each checkpoint and at the run's end (``recorder.viewer_path``);
-for an existing run folder::
+The recorder rewrites it after each step it records and the job at the run's end
+(``recorder.viewer_path``); for an existing run folder::
 
     python -m torchtitan_rl.metrics.rollout_viewer runs/<name>
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import pathlib
 import sys
@@ -36,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_ROLLOUTS_PATH = "rollouts/rollouts.jsonl"
 DEFAULT_VIEWER_PATH = "rollout_viewer.html"
+VALIDATION_FILE = "validation.jsonl"
+"""The validations' rollouts, beside the training rollouts' file (RolloutRecorder)."""
 
 STEP_METRICS = (
     "rollout_reward/mean",
@@ -49,85 +50,81 @@ STEP_METRICS = (
 )
 """The per-step metrics shown in each step's header (those the run logged)."""
 
-SUMMARY_KEYS = ("reward_before", "reward_after", "rise", "rise_z", "steps", "wall_s")
-"""The summary.json values shown in the page's title bar (those present)."""
 
 
-def read_jsonl(path: pathlib.Path) -> tuple[list[dict[str, Any]], int]:
-    """The JSON objects of ``path`` (none when it does not exist) and the number of lines that
-    were not one (a line cut short by a killed run): those are skipped, counted and logged."""
+class _NonFinite:
+    """``json.loads(..., parse_constant=)``: NaN and +-Infinity become None (JSON.parse refuses
+    them), and ``seen`` says whether the line had any."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, name: str) -> None:
+        self.seen = True
+
+
+def read_json_lines(path: pathlib.Path) -> tuple[list[tuple[str, dict[str, Any]]], int]:
+    """(the line as the page embeds it, the object) for each JSON object line of ``path`` (none
+    when it does not exist), and the number of lines that were not one (a line cut short by a
+    killed run): those are skipped, counted and logged. A line is embedded as written unless it
+    holds NaN or Infinity (then re-written with null there)."""
     if not path.exists():
         return [], 0
-    records, num_bad = [], 0
+    found, num_bad = [], 0
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
+        non_finite = _NonFinite()
         try:
-            record = json.loads(line)
+            record = json.loads(line, parse_constant=non_finite)
         except json.JSONDecodeError as e:
             num_bad += 1
             logger.warning("%s line %d skipped: not JSON (%s)", path, number, e)
             continue
-        if isinstance(record, dict):
-            records.append(record)
-        else:
+        if not isinstance(record, dict):
             num_bad += 1
             logger.warning("%s line %d skipped: not a JSON object", path, number)
-    return records, num_bad
+            continue
+        found.append((json.dumps(record) if non_finite.seen else line.strip(), record))
+    return found, num_bad
 
 
-def read_step_metrics(path: pathlib.Path) -> dict[int, dict[str, float]]:
-    """{step: the `STEP_METRICS` it logged} from metrics.jsonl (later lines of a step win)."""
-    by_step: dict[int, dict[str, float]] = {}
-    for record in read_jsonl(path)[0]:
+def read_step_metrics(path: pathlib.Path) -> dict[int, dict[str, float | None]]:
+    """{step: the `STEP_METRICS` it logged} from metrics.jsonl (later lines of a step win, as
+    after a resume; a non-finite value is None)."""
+    by_step: dict[int, dict[str, float | None]] = {}
+    for _, record in read_json_lines(path)[0]:
         step = record.get("step")
         if isinstance(step, int):
             by_step.setdefault(step, {}).update(
                 {key: record[key] for key in STEP_METRICS if key in record})
-    return {step: values for step, values in by_step.items() if values}
+    return {step: values for step, values in sorted(by_step.items()) if values}
 
 
-def viewer_data(run_dir: pathlib.Path, rollouts_path: str = DEFAULT_ROLLOUTS_PATH
-                ) -> dict[str, Any]:
-    """What the page embeds: the run's name, its summary values, the step metrics and every
-    recorded rollout (in file order: step, group, rollout)."""
-    rollouts, num_bad = read_jsonl(run_dir / rollouts_path)
-    summary_path = run_dir / "summary.json"
-    summary: dict[str, Any] = {}
-    if summary_path.exists():
-        try:
-            loaded = json.loads(summary_path.read_text(encoding="utf-8"))
-            summary = {key: loaded[key] for key in SUMMARY_KEYS if key in loaded}
-        except json.JSONDecodeError as e:
-            logger.warning("%s skipped: not JSON (%s)", summary_path, e)
-    return {
+def page_data(run_dir: pathlib.Path, rollouts_path: str = DEFAULT_ROLLOUTS_PATH
+              ) -> tuple[str, dict[str, int]]:
+    """The JSON the page embeds, and the number of rollouts of each set in it: the run's name,
+    the step metrics (the validations' among them) and every recorded rollout in file order
+    (step, group, rollout), the training rollouts' and the validations' (``validation.jsonl``
+    beside them: RolloutRecorder.record_validation). The rollout lines go in as written (no
+    parse-and-dump of megabytes at every step). ``<`` is escaped, so no text a model wrote can
+    close the page's script element."""
+    path = run_dir / rollouts_path
+    sets: dict[str, list[str]] = {}
+    num_bad = 0
+    for name, file in (("training", path), ("validation", path.with_name(VALIDATION_FILE))):
+        lines, bad = read_json_lines(file)
+        sets[name], num_bad = [line for line, _ in lines], num_bad + bad
+    head = json.dumps({
         "run_name": run_dir.resolve().name,
         "rollouts_path": rollouts_path,
-        "summary": summary,
         "step_metrics": {str(step): values for step, values in
-                         sorted(read_step_metrics(run_dir / "metrics.jsonl").items())},
-        "rollouts": rollouts,
+                         read_step_metrics(run_dir / "metrics.jsonl").items()},
         "num_skipped_lines": num_bad,
-    }
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with every non-finite float replaced by None (JSON.parse refuses NaN)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: _finite(v) for key, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
-def render_page(data: dict[str, Any]) -> str:
-    """The HTML page with ``data`` embedded as JSON (``<`` escaped, so no text a model wrote can
-    close the script element)."""
-    payload = json.dumps(_finite(data), ensure_ascii=False, separators=(",", ":"),
-                         allow_nan=False).replace("<", "\\u003c")
-    return _PAGE.replace("/*DATA*/", payload)
+    }, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    rollouts = ",".join(f'"{name}":[{",".join(lines)}]' for name, lines in sets.items())
+    payload = head[:-1] + ',"sets":{' + rollouts + "}}"
+    return payload.replace("<", "\\u003c"), {name: len(lines) for name, lines in sets.items()}
 
 
 def write_viewer(run_dir: str | pathlib.Path, *, rollouts_path: str = DEFAULT_ROLLOUTS_PATH,
@@ -137,11 +134,12 @@ def write_viewer(run_dir: str | pathlib.Path, *, rollouts_path: str = DEFAULT_RO
     run_dir = pathlib.Path(run_dir)
     out = run_dir / viewer_path
     out.parent.mkdir(parents=True, exist_ok=True)
-    data = viewer_data(run_dir, rollouts_path)
+    payload, counts = page_data(run_dir, rollouts_path)
     partial = out.with_name(out.name + ".partial")
-    partial.write_text(render_page(data), encoding="utf-8")
+    partial.write_text(_PAGE.replace("/*DATA*/", payload), encoding="utf-8")
     os.replace(partial, out)
-    logger.info("rollout viewer: %d rollouts in %s", len(data["rollouts"]), out)
+    logger.info("rollout viewer: %d training and %d validation rollouts in %s",
+                counts["training"], counts["validation"], out)
     return out
 
 
@@ -218,6 +216,7 @@ _PAGE = r"""<!DOCTYPE html>
 <header>
   <h1 id="title">rollouts</h1><span id="summary"></span>
   <div id="controls">
+    <label>rollouts <select id="set"></select></label>
     <label>step <select id="step"></select></label>
     <label>side by side with <select id="compare"></select></label>
     <label>status <select id="status"></select></label>
@@ -239,11 +238,11 @@ _PAGE = r"""<!DOCTYPE html>
 <script>
 "use strict";
 const DATA = JSON.parse(document.getElementById("data").textContent);
-const ROLLOUTS = DATA.rollouts;
 const PAGE_SIZE = 200;  // rollouts drawn per column before a "show more" button
 const $ = (id) => document.getElementById(id);
-const STEPS = [...new Set(ROLLOUTS.map((r) => r.step))].sort((a, b) => a - b);
-const STATUSES = [...new Set(ROLLOUTS.map((r) => r.status))].sort();
+const ALL = Object.values(DATA.sets).flat();
+const STATUSES = [...new Set(ALL.map((r) => r.status))].sort();
+let SET = "training", ROLLOUTS = [], STEPS = [];  // the set shown (useSet)
 
 function el(tag, cls, text) {
   const node = document.createElement(tag);
@@ -260,16 +259,25 @@ function option(select, value, label) {
 
 // ---- controls <-> URL hash ------------------------------------------------------------------
 function fillControls() {
-  option($("step"), "all", "all steps");
-  option($("compare"), "", "(none)");
-  for (const s of STEPS) { option($("step"), String(s), String(s)); option($("compare"), String(s), String(s)); }
+  for (const [name, rollouts] of Object.entries(DATA.sets)) option($("set"), name, `${name} (${rollouts.length})`);
   option($("status"), "all", "any");
   for (const s of STATUSES) option($("status"), s, s);
 }
-const FIELDS = { step: "step", compare: "compare", status: "status", rmin: "reward-min",
+function useSet(name) {  // the training or the validation rollouts: their steps in the step lists
+  SET = name in DATA.sets ? name : "training";
+  $("set").value = SET;
+  ROLLOUTS = DATA.sets[SET];
+  STEPS = [...new Set(ROLLOUTS.map((r) => r.step))].sort((a, b) => a - b);
+  $("step").replaceChildren(); $("compare").replaceChildren();
+  option($("step"), "all", "all steps");
+  option($("compare"), "", "(none)");
+  for (const s of STEPS) { option($("step"), String(s), String(s)); option($("compare"), String(s), String(s)); }
+}
+const FIELDS = { set: "set", step: "step", compare: "compare", status: "status", rmin: "reward-min",
                  rmax: "reward-max", text: "text", colour: "colour" };
 function readHash() {
   const params = new URLSearchParams(location.hash.slice(1));
+  useSet(params.get("set") || "training");
   for (const [key, id] of Object.entries(FIELDS)) {
     if (!params.has(key)) continue;
     const value = params.get(key), input = $(id);
@@ -282,7 +290,8 @@ function writeHash() {
   const params = new URLSearchParams();
   for (const [key, id] of Object.entries(FIELDS)) {
     const value = $(id).value;
-    const isDefault = (key === "step" && value === "all") || (key === "status" && value === "all") ||
+    const isDefault = (key === "set" && value === "training") ||
+      (key === "step" && value === "all") || (key === "status" && value === "all") ||
       (key === "colour" && value === "advantage") || value === "";
     if (!isDefault) params.set(key, value);
   }
@@ -306,9 +315,16 @@ function keep(r, f) {
 }
 
 // ---- colours --------------------------------------------------------------------------------
+// Advantages are scaled by the page's largest |advantage| (the 95th percentile, so one outlier
+// does not wash out the rest): a run without std normalisation has advantages far below 1.
+const ADVANTAGE_SCALE = (() => {
+  const sizes = DATA.sets.training.flatMap((r) => (r.turns || []).map((t) => Math.abs(t.advantage ?? r.advantage ?? 0)))
+    .filter((a) => a > 0).sort((a, b) => a - b);
+  return sizes.length ? sizes[Math.floor(0.95 * (sizes.length - 1))] : 1;
+})();
 function advantageColour(a) {
   if (a === null || a === undefined) return "";
-  const x = Math.max(-1, Math.min(1, a / 2));
+  const x = Math.max(-1, Math.min(1, a / ADVANTAGE_SCALE));
   return x >= 0 ? `rgba(40, 160, 60, ${0.12 + 0.6 * x})` : `rgba(210, 50, 50, ${0.12 - 0.6 * x})`;
 }
 function logprobColour(lp) {
@@ -320,7 +336,8 @@ function drawLegend() {
   const legend = $("legend"); legend.replaceChildren();
   const mode = $("colour").value;
   const add = (text, colour) => { const s = el("span", null, text); s.style.background = colour; legend.appendChild(s); };
-  if (mode === "advantage") { add("A = -2", advantageColour(-2)); add("0", advantageColour(0)); add("+2", advantageColour(2)); }
+  const scale = Number(ADVANTAGE_SCALE.toPrecision(2));
+  if (mode === "advantage") { add(`advantage <= -${scale}`, advantageColour(-scale)); add("0", advantageColour(0)); add(`>= +${scale}`, advantageColour(scale)); }
   if (mode === "logprob") { add("logprob 0", logprobColour(0)); add("-2.5", logprobColour(-2.5)); add("<= -5", logprobColour(-5)); }
 }
 
@@ -352,7 +369,8 @@ function drawRollout(r, mode, promptsOpen) {
   head.appendChild(el("b", null, r.sample_id));
   head.appendChild(el("span", "status " + r.status, r.status));
   head.appendChild(el("span", null, "reward " + fmt(r.reward)));
-  head.appendChild(el("span", null, "advantage " + (r.advantage === null ? "none (not trained)" : fmt(r.advantage))));
+  if (SET === "training")
+    head.appendChild(el("span", null, "advantage " + (r.advantage === null ? "none (not trained)" : fmt(r.advantage))));
   head.appendChild(el("span", null, `${r.num_turns} turn${r.num_turns === 1 ? "" : "s"}`));
   box.appendChild(head);
   if (r.error) box.appendChild(el("div", "error", r.error));
@@ -445,19 +463,20 @@ function render() {
 function main() {
   document.title = `rollouts: ${DATA.run_name}`;
   $("title").textContent = `${DATA.run_name}: recorded rollouts`;
-  const s = DATA.summary, bits = [];
-  if ("reward_before" in s) bits.push(`reward before ${fmt(s.reward_before)}`);
-  if ("reward_after" in s) bits.push(`after ${fmt(s.reward_after)}`);
-  if ("rise" in s) bits.push(`rise ${fmt(s.rise)} (z ${fmt(s.rise_z, 1)})`);
-  if ("steps" in s) bits.push(`${s.steps} steps`);
+  const bits = [];
+  const validations = Object.entries(DATA.step_metrics)
+    .filter(([, m]) => "validation/reward_mean" in m)
+    .map(([step, m]) => `${step}: ${fmt(m["validation/reward_mean"])}`);
+  if (validations.length) bits.push(`validation reward at step ${validations.join(", ")}`);
   if (DATA.num_skipped_lines) bits.push(`${DATA.num_skipped_lines} unreadable lines skipped`);
   $("summary").textContent = bits.join(" · ");
   fillControls(); readHash();
-  if (!ROLLOUTS.length) {
+  if (!ALL.length) {
     $("columns").appendChild(el("div", "empty", `no rollouts recorded yet in ${DATA.rollouts_path}`));
     $("count").textContent = "0 rollouts";
     return;
   }
+  $("set").addEventListener("change", () => { useSet($("set").value); render(); });
   for (const id of ["step", "compare", "status", "colour", "prompts"]) $(id).addEventListener("change", render);
   for (const id of ["reward-min", "reward-max", "text"]) $(id).addEventListener("input", render);
   render();

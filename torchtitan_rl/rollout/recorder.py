@@ -35,19 +35,17 @@ class RolloutRecorder(Configurable):
         """JSONL file, relative to the run directory (parents are created)."""
         max_groups_per_step: int | None = None
         """Most groups recorded per step (the first ones); None records all."""
-        viewer_path: str | None = "rollout_viewer.html"
-        """The rollout viewer, one HTML page of the recorded rollouts to open in a browser,
-        relative to the run directory; rewritten after each recorded step and at the run's end.
-        None: not written (`python -m torchtitan_rl.metrics.rollout_viewer RUN_DIR` writes it
-        from the run folder at any time)."""
+        viewer: bool = True
+        """Write the rollout viewer, rollout_viewer.html in the run folder: one HTML page of the
+        recorded rollouts to open in a browser (docs/reading_a_run.md), rewritten after each
+        recorded step and at the run's end. False: not written (`python -m
+        torchtitan_rl.metrics.rollout_viewer RUN_DIR` writes it from the run folder any time)."""
 
         def __post_init__(self) -> None:
             if self.every_k_steps < 0:
                 raise ValueError(f"every_k_steps must be >= 0, got {self.every_k_steps}")
-            for name in ("path", "viewer_path"):
-                value = getattr(self, name)
-                if value is not None and pathlib.PurePath(value).is_absolute():
-                    raise ValueError(f"{name} must be relative to the run directory, got {value}")
+            if pathlib.PurePath(self.path).is_absolute():
+                raise ValueError(f"path must be relative to the run directory, got {self.path}")
             if self.max_groups_per_step is not None and self.max_groups_per_step < 1:
                 raise ValueError(
                     f"max_groups_per_step must be >= 1 or None, got {self.max_groups_per_step}")
@@ -93,11 +91,10 @@ class RolloutRecorder(Configurable):
 
     def write_viewer(self) -> pathlib.Path | None:
         """(Re)write the rollout viewer page from the recorded rollouts; its path, or None when
-        ``viewer_path`` is None or nothing is recorded (every_k_steps = 0)."""
-        if self.config.viewer_path is None or self.config.every_k_steps == 0:
+        ``viewer`` is off or nothing is recorded (every_k_steps = 0)."""
+        if not self.config.viewer or self.config.every_k_steps == 0:
             return None
-        return write_viewer(self.run_dir, rollouts_path=self.config.path,
-                            viewer_path=self.config.viewer_path)
+        return write_viewer(self.run_dir, rollouts_path=self.config.path)
 
 
 def validation_rollouts_path(rollouts_path: pathlib.Path) -> pathlib.Path:
