@@ -339,11 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=("up", "down", "status", "exec", "kill-node",
                                             "start-node"))
-    parser.add_argument("args", nargs=argparse.REMAINDER,
-                        help="exec: the command; kill-node/start-node: the node's name")
+    parser.add_argument("node", nargs="?", help="kill-node, start-node: the node's name")
     parser.add_argument("--dir", type=pathlib.Path, default=DEFAULT_DIR)
     parser.add_argument("--nodes", type=int, default=3, help="slurmd nodes (up; default 3)")
-    a = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    cmd = argv[argv.index("--") + 1:] if "--" in argv else []
+    a = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if a.nodes < 2:
         parser.error("--nodes must be >= 2")
     cluster = Cluster(a.dir, a.nodes)
@@ -356,15 +357,17 @@ def main(argv: list[str] | None = None) -> int:
         elif a.command == "status":
             print(cluster.status())
         elif a.command == "exec":
-            cmd = a.args[1:] if a.args[:1] == ["--"] else a.args
             if not cmd:
                 parser.error("exec needs a command: exec -- CMD ...")
             os.execvpe("unshare", cluster.exec_argv(cmd), cluster.env())
-        elif a.command == "kill-node":
-            print(f"{a.args[0]}: {cluster.kill_node(a.args[0])} processes killed")
-        elif a.command == "start-node":
-            cluster.start_node(a.args[0], detach=True)
-            cluster.wait_idle([a.args[0]])
+        elif a.command in ("kill-node", "start-node"):
+            if a.node is None:
+                parser.error(f"{a.command} needs a node's name, e.g. {a.command} node2")
+            if a.command == "kill-node":
+                print(f"{a.node}: {cluster.kill_node(a.node)} processes killed")
+            else:
+                cluster.start_node(a.node, detach=True)
+                cluster.wait_idle([a.node])
     except ClusterError as e:
         print(f"slurm_cluster: {e}", file=sys.stderr)
         return 1

@@ -56,15 +56,16 @@ def slurm_cluster(tmp_path_factory):
 
 
 def _train_on_slurm(cluster, out: pathlib.Path, *args: str, fault: str | None = None,
-                    ) -> subprocess.Popen:
+                    env: dict[str, str] | None = None) -> subprocess.Popen:
     """``python -m torchtitan_rl.train`` on the cluster's login node (where the nodes' names
     resolve), the tests' TOML job placed on Slurm."""
     cmd = [sys.executable, "-m", "torchtitan_rl.train", "--config", LETTERS_TOML,
            "--output_dir", str(out), "--placement.kind", "slurm",
            "--placement.slurm.log_dir", str(out / "sbatch"), *args]
-    env = {**env_without_faults(fault), **cluster.env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    env.pop("TORCHTITAN_RL_LOG_LEVEL", None)
-    return subprocess.Popen(cluster.exec_argv(cmd), cwd=REPO_ROOT, env=env, text=True,
+    run_env = {**env_without_faults(fault), **cluster.env(), **(env or {}),
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    run_env.pop("TORCHTITAN_RL_LOG_LEVEL", None)
+    return subprocess.Popen(cluster.exec_argv(cmd), cwd=REPO_ROOT, env=run_env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -112,4 +113,43 @@ def test_a_sigkilled_controller_leaves_no_allocation_and_no_process(slurm_cluste
                            fault="kill_controller_after_groups:4")
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode != 0 and "slurm job" in stderr, stderr[-3000:]
+    _assert_nothing_left(slurm_cluster)
+
+
+def test_a_lost_node_retires_its_generator_and_the_run_goes_on(slurm_cluster, tmp_path):
+    """node3 (generator_1's) fails for good after step 1: its slurmd and every process on it
+    SIGKILLed. Slurm keeps the job on the other nodes (--no-kill), the lost generator's groups
+    restart from their prompts on generator_0, its replacement cannot spawn on the dead node,
+    and the run goes on with one generator, saying so once; every group is trained once."""
+    from tests.controller.jobs import LogWatch, assert_every_group_trained_once
+
+    num_steps = 8
+    proc = _train_on_slurm(
+        slurm_cluster, tmp_path, "--num_generators", "2", "--loop.num_steps", str(num_steps),
+        "--loop.replace_dropped_groups", "0", "--log.level", "debug",
+        "--generator.engine", "stand_in", "--generator.stand_in_tokens_per_s", "2000",
+        # Monarch gives up on a host that stopped answering, and on a spawn there, after these
+        # (defaults 1 min and 30 s); the run's reaction is the same.
+        env={"HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE": "10s",
+             "HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE": "10s"})
+    log = LogWatch(proc.stderr)
+    try:
+        log.wait_for(r"slurm job \d+: the trainer on node1, the generators on node2, node3")
+        log.wait_for(r"generator generator_1 started")
+        log.wait_for(r"step=1 ")
+        assert slurm_cluster.kill_node("node3") >= 2  # slurmd, the worker, its procs
+        proc.wait(timeout=600)
+        log.wait_closed()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        slurm_cluster.start_node("node3", detach=False)
+    stderr = log.text()
+    assert proc.returncode == 0, stderr[-4000:]
+    retired = [line for line in stderr.splitlines() if "cannot be replaced on its host" in line]
+    assert len(retired) == 1 and "goes on with 1 of 2 generators" in retired[0], stderr[-4000:]
+    run_dir = tmp_path / "letters"
+    assert_every_group_trained_once(run_dir, num_steps, num_steps * 2)
+    assert read_metrics(run_dir)[num_steps - 1]["generator/num_retired"] == 1
+    slurm_cluster.wait_idle(slurm_cluster.node_names())
     _assert_nothing_left(slurm_cluster)

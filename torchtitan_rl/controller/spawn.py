@@ -35,6 +35,7 @@ from torchtitan_rl.controller.loop.loop import RunParts
 from torchtitan_rl.controller.resolved_job import ResolvedJob
 from torchtitan_rl.controller.rollout_workers.pool import RolloutWorkerPool
 from torchtitan_rl.controller.rollout_workers.worker import RolloutWorkerSpec
+from torchtitan_rl.controller.supervision import auto_health_poll_s
 from torchtitan_rl.trainer.batcher import Batcher
 from torchtitan_rl.trainer.trainer import MonarchTrainerClient, PolicyTrainer, TrainerClient
 
@@ -87,7 +88,9 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
         pool = GeneratorPool(plan.generators, plan.router, hosts=hosts,
                              weight_transport=plan.trainer.weight_transport,
                              abort_on_pull=partial_rollouts, policy_version=resume_step or 0,
-                             on_fatal=on_fatal)
+                             on_fatal=on_fatal,
+                             host_poll_s=(plan.placement.health_poll_s
+                                          or auto_health_poll_s(len(plan.generators))))
         generate_fn = await pool.spawn(trainer_spawn)
         trainer = trainer_spawn.result()
         if plan.rollouter.num_workers:

@@ -149,6 +149,10 @@ class GeneratorRouter(Configurable):
         for mirror in self._mirrors:
             mirror.set_syncing(indices, syncing)
 
+    def num_serving(self) -> int:
+        """Generators not taken out."""
+        return len(self.generators) - len(self._out)
+
     def take_out(self, index: int) -> None:
         """Route nothing to generator ``index`` until ``put_back``."""
         self._out.add(index)

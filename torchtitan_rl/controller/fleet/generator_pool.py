@@ -11,15 +11,18 @@
              choose_transport in weight_sync/push.py picked each generator's at spawn)
     rewind(version): the trainer was restored to an older version (job.py): every generator
              aborts its requests and takes that version as its next pull
-    loss:    a handle's call fails with Monarch's supervision error, or Monarch's fault hook names
-             the mesh (supervision.py: ReplaceableMeshes) -> mark_lost(i):
+    loss:    a handle's call fails with Monarch's supervision error, Monarch's fault hook names
+             the mesh (supervision.py: ReplaceableMeshes), or its host's worker stops answering
+             (host_watch.py) -> mark_lost(i):
                router.take_out(i); the handle fails its outstanding calls with GeneratorLostError
                (the loop restarts those groups from their prompts); in a task of its own:
                stop the dead procs (bounded; on the shared mesh, its actor) -> spawn
                "generator_i_r<n>", a mesh of its own, on the same host (a new
                name: late events of the dead mesh cannot match it) -> push the current policy
                version (verified when verify_weight_push) -> router.put_back(i)
-             past generator.max_restarts, or when the replacement fails: the run fails, one line.
+             when the replacement fails (its host is gone: a lost node) while other generators
+             serve: it stays out, one warning, and the run goes on with the others;
+             past generator.max_restarts, or with no generator left: the run fails, one line.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from monarch.actor import ProcMesh
 
 from torchtitan_rl.console import short_report
 from torchtitan_rl.controller.fleet.weight_push import WeightPush, until_lost
-from torchtitan_rl.controller.hosts.placement import RunHosts
+from torchtitan_rl.controller.hosts.host_watch import HostWatch
+from torchtitan_rl.controller.hosts.placement import HostUnreachableError, RunHosts
 from torchtitan_rl.controller.hosts.shared_procs import spawn_generator_procs
 from torchtitan_rl.controller.supervision import ReplaceableMeshes
 from torchtitan_rl.generator import (
@@ -60,11 +64,14 @@ LOST_REASON_CHARS = 100
 class GeneratorPool(ReplaceableMeshes):
     def __init__(self, configs: list[Generator.Config], router_config: GeneratorRouter.Config, *,
                  hosts: RunHosts, weight_transport: str, abort_on_pull: bool,
-                 policy_version: int, on_fatal: Callable[[str], None]) -> None:
+                 policy_version: int, on_fatal: Callable[[str], None],
+                 host_poll_s: float = 2.0) -> None:
         """``hosts``: where each generator lives (placement.py); ``weight_transport``: the
         trainer's setting (auto | message | shared_memory); ``policy_version``: the version the
         generators start with (the trainer's weights); ``on_fatal``: how a failed replacement
-        fails the run (supervision.MeshFailureWatch). The trainer comes with ``spawn``."""
+        fails the run (supervision.MeshFailureWatch); ``host_poll_s``: how often the generator
+        hosts' workers are probed, where the placement names them (host_watch.py). The trainer
+        comes with ``spawn``."""
         super().__init__("generator", len(configs))
         self.configs = configs
         self.router_config = router_config
@@ -76,6 +83,8 @@ class GeneratorPool(ReplaceableMeshes):
         self.on_fatal = on_fatal
         self.handles: list[GeneratorHandle] = []
         self.router: GeneratorRouter | None = None
+        self.num_retired = 0
+        """Generators lost for good (their replacement failed while others served)."""
         self.resuming: ResumingGenerateFn | None = None
         """Partial rollouts (``abort_on_pull``): resumes requests a pull aborted."""
         self.last_recovery_s = 0.0
@@ -84,6 +93,10 @@ class GeneratorPool(ReplaceableMeshes):
         self._others_routed_at_loss: dict[int, int] = {}
         self._push_lock = asyncio.Lock()
         self._push_reported: set[str] = set()
+        self.host_poll_s = host_poll_s
+        self.lost_hosts: set[int] = set()
+        """Generator hosts gone whole (host_watch.py): nothing is spawned or stopped there."""
+        self._host_watch: asyncio.Task[None] | None = None
         self.shared_procs: ProcMesh | None = None
         """The first generators' one proc mesh (None: a mesh each); stopped at close."""
 
@@ -110,6 +123,10 @@ class GeneratorPool(ReplaceableMeshes):
             await self.close()
             raise
         self.router = self.router_config.build(generators=list(self.handles))
+        if self.hosts.generator_workers:
+            watch = HostWatch(self.hosts.generator_workers, self._on_host_lost,
+                              interval_s=self.host_poll_s)
+            self._host_watch = asyncio.create_task(watch.run(), name="generator-host-watch")
         if self.abort_on_pull:
             self.resuming = ResumingGenerateFn(self.router)
             return self.resuming
@@ -176,6 +193,16 @@ class GeneratorPool(ReplaceableMeshes):
         handle = self.handles[index]
         handle.mark_lost(reason)  # reports back through _on_handle_lost
 
+    def _on_host_lost(self, host_index: int, reason: str) -> None:
+        """A generator host is gone whole (host_watch.py): every generator on it is lost, and
+        none is replaced there."""
+        self.lost_hosts.add(host_index)
+        for index, handle in enumerate(self.handles):
+            if (self.hosts.generator_host_index(index) == host_index
+                    and handle.lost_reason is None):
+                logger.info("%s's host is gone: %s", handle.name, reason)
+                self.mark_lost(index, f"its host is gone: {reason}")
+
     def _on_handle_lost(self, handle: GeneratorHandle, reason: str) -> None:
         if self.closing or handle not in self.handles:
             return  # a handle replaced already
@@ -198,14 +225,19 @@ class GeneratorPool(ReplaceableMeshes):
         start = time.perf_counter()
         old = self.handles[index]
         new: GeneratorHandle | None = None
+        host_gone = self._host_gone(index)
         try:
             try:
-                await old.close(timeout_s=STOP_TIMEOUT_S)
-                if old.procs is None:  # a proc of the shared mesh: its actor must not linger
-                    await asyncio.wait_for(old.actors.stop(), STOP_TIMEOUT_S)
+                if not host_gone:  # a gone host's procs cannot answer a stop
+                    await old.close(timeout_s=STOP_TIMEOUT_S)
+                    if old.procs is None:  # a proc of the shared mesh: its actor must not linger
+                        await asyncio.wait_for(old.actors.stop(), STOP_TIMEOUT_S)
             except Exception as e:  # a dead mesh may not stop cleanly: it is gone either way
                 logger.warning("stopping lost %s: %r", old.name, e)
             try:
+                if host_gone:
+                    raise HostUnreachableError(
+                        f"its host {self.hosts.generator_host_index(index)} is gone")
                 new = await asyncio.wait_for(self._spawn(index, name), SPAWN_TIMEOUT_S)
                 async with self._push_lock:  # not while the loop pushes: one version, once
                     if self.policy_version > 0:  # else it serves model_dir: version 0 already
@@ -219,11 +251,18 @@ class GeneratorPool(ReplaceableMeshes):
             assert new is not None
             self.router.put_back(index, new)
         except Exception as e:
-            logger.warning("replacing %s failed", old.name, exc_info=True)
-            if not self.closing:  # else the run is over and closed the trainer under it
-                # The loss was logged whole when it happened; the line keeps room for the cause.
-                lost = short_report(reason, LOST_REASON_CHARS)
+            logger.info("replacing %s failed", old.name, exc_info=True)
+            if self.closing:  # the run is over and closed the trainer under it
+                return False
+            # The loss was logged whole when it happened; the line keeps room for the cause.
+            lost = short_report(reason, LOST_REASON_CHARS)
+            if self.router.num_serving() == 0:
                 self.on_fatal(f"replacing {old.name} (lost: {lost}) failed: {e!r}")
+                return False
+            self.num_retired += 1
+            logger.warning("%s was lost and cannot be replaced on its host (%s): the run goes on "
+                           "with %d of %d generators", old.name, short_report(repr(e), 160),
+                           self.router.num_serving(), len(self.handles))
             return False
         self.last_recovery_s = time.perf_counter() - start
         self._served_by_others += (self._others_routed(index)
@@ -231,6 +270,9 @@ class GeneratorPool(ReplaceableMeshes):
         logger.warning("%s replaced by %s (policy v%d) in %.1f s", old.name, name,
                        self.policy_version, self.last_recovery_s)
         return True
+
+    def _host_gone(self, index: int) -> bool:
+        return self.hosts.generator_host_index(index) in self.lost_hosts
 
     def _others_routed(self, index: int) -> int:
         assert self.router is not None
@@ -243,6 +285,7 @@ class GeneratorPool(ReplaceableMeshes):
         metrics = {
             **self.router.metrics(),
             "generator/restarts": float(sum(self.num_restarts)),
+            "generator/num_retired": float(self.num_retired),
             "generator/recovery_s": self.last_recovery_s,
             "generator/requests_served_by_others_during_recovery": float(served),
         }
@@ -251,10 +294,14 @@ class GeneratorPool(ReplaceableMeshes):
         return metrics
 
     async def close(self) -> None:
+        if self._host_watch is not None:
+            self._host_watch.cancel()
         await self.stop_replacing()
-        results = await asyncio.gather(*(h.close(timeout_s=STOP_TIMEOUT_S) for h in self.handles),
+        results = await asyncio.gather(*(h.close(timeout_s=STOP_TIMEOUT_S)
+                                         for i, h in enumerate(self.handles)
+                                         if not self._host_gone(i)),
                                        return_exceptions=True)
-        if self.shared_procs is not None:  # once its generators have closed
+        if self.shared_procs is not None and not self.lost_hosts:  # once its generators closed
             results += await asyncio.gather(
                 asyncio.wait_for(self.shared_procs.stop(), STOP_TIMEOUT_S),
                 return_exceptions=True)

@@ -17,6 +17,8 @@
                                  its replacement after a loss is spawned there again
     hosts.separate_machines      True when each host is its own machine by construction
                                  ("process" simulates that): weight pushes never use shared memory
+    hosts.generator_workers      the generator hosts' worker addresses (attach, slurm): a host
+                                 whose worker stops answering is lost (host_watch.py)
     await hosts.close()          the job's workers are stopped (process, slurm); bounded
 
 A host that cannot be reached is one HostUnreachableError line naming it (exit 1), never a hang.
@@ -185,6 +187,9 @@ class Placement(Configurable):
             hosts = RunHosts(trainer=state.trainer, generators=state.generators,
                              generators_per_host=c.generators_per_host, job=job,
                              separate_machines=c.kind == "process", reaper=reaper)
+            if c.kind == "slurm":
+                hosts.generator_workers = [f"tcp://{node}:{c.slurm.monarch_port}"
+                                           for node in job.hostnames()[c.trainer_hosts:]]
             await hosts.wait_up(f"placement.kind={c.kind}", c.host_timeout_s)
             if c.kind == "slurm":
                 nodes = job.hostnames()
@@ -213,6 +218,9 @@ class RunHosts:
     """Each host is its own machine by construction (simulated hosts): never shared memory."""
     reaper: OrphanReaper | None = None
     """Ends the job's processes if this controller ends without close (controller/hosts/reaper.py)."""
+    generator_workers: list[str] = dataclasses.field(default_factory=list)
+    """The generator hosts' worker addresses, where the run knows them (attach, slurm): watched
+    for a host lost whole (host_watch.py)."""
 
     def generator_host_index(self, index: int) -> int:
         """The host generator ``index`` runs on, in ``generators`` (0: local placement)."""
@@ -258,7 +266,8 @@ async def _attach(c: Placement.Config) -> RunHosts:
     generators = attach_to_workers(ca=TRUST_ALL, workers=c.workers[c.trainer_hosts:],
                                    name="generators")
     hosts = RunHosts(trainer=trainer, generators=generators,
-                     generators_per_host=c.generators_per_host)
+                     generators_per_host=c.generators_per_host,
+                     generator_workers=c.workers[c.trainer_hosts:])
     if not c.tls:
         await hosts.wait_up(f"placement.workers {c.workers}", c.host_timeout_s)
         return hosts

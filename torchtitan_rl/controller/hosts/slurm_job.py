@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,17 @@ logger = logging.getLogger(__name__)
 
 class SlurmJob(MonarchSlurmJob):
     """`monarch.job.SlurmJob` whose job queries read every Slurm version's JSON (module doc)."""
+
+    def __init__(self, meshes: dict[str, int], **kwargs: Any) -> None:
+        # A node failure must not end the job (Slurm's default): the run replaces or retires
+        # what ran there and goes on with the other nodes. --no-kill keeps the allocation;
+        # SLURM_NO_KILL (read by the srun that Monarch's batch script starts the workers with,
+        # inherited through sbatch's environment) keeps the workers' step.
+        slurm_args = tuple(kwargs.pop("slurm_args", ()))
+        if not any(a.startswith(("--no-kill", "-k")) for a in slurm_args):
+            slurm_args = ("--no-kill", *slurm_args)
+        os.environ.setdefault("SLURM_NO_KILL", "set")
+        super().__init__(meshes, slurm_args=slurm_args, **kwargs)
 
     on_submit: Callable[[str], None] | None = None
     """Called with the job id as soon as sbatch returns it (the reaper's scancel at exit)."""
