@@ -3,6 +3,9 @@ run's OpenAI-compatible endpoint on 127.0.0.1, the real `openai` client): the jo
 and every trained sample's tokens are the tokens the generator produced, as the endpoint returned
 them to the agent (vLLM's ``return_token_ids``), the loss mask exactly on the model's tokens; and
 agents run in rollout workers (each serving its own endpoint) train the same samples and losses.
+The job in the controller also gets junk on a live episode's URL while it trains (letter_agent's
+SEND_JUNK: bad bodies, 200 concurrent connections, a client gone mid-body): each is a 4xx, and
+its samples and losses equal those of the workers' job, which got none.
 
 What the trainer received is read from ``trainer.debug_batch_log``; which document is which sample
 from trained_samples.jsonl (see test_controller_multi_turn_job.py).
@@ -65,6 +68,7 @@ class AgentRun:
     calls: dict[tuple[int, int], list[dict[str, Any]]]
     checks: list[tuple[str, str]]
     tool_calls: list[Any]
+    junk: list[tuple[str, int]]
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +78,16 @@ def agent_run(tmp_path_factory: pytest.TempPathFactory) -> AgentRun:
     letter_agent.CALLS.clear()
     letter_agent.CHECKS.clear()
     letter_agent.TOOL_CALLS.clear()
+    letter_agent.JUNK.clear()
     batch_log = out / "trainer_batches.jsonl"
-    summary = main(_agent_job(out, "agent", batch_log=batch_log))
+    letter_agent.SEND_JUNK = True
+    try:
+        summary = main(_agent_job(out, "agent", batch_log=batch_log))
+    finally:
+        letter_agent.SEND_JUNK = False
     return AgentRun(out / "agent", summary, batch_log, dict(letter_agent.CALLS),
-                    list(letter_agent.CHECKS), list(letter_agent.TOOL_CALLS))
+                    list(letter_agent.CHECKS), list(letter_agent.TOOL_CALLS),
+                    list(letter_agent.JUNK))
 
 
 def test_agent_job_trains_exactly_the_generated_tokens(agent_run: AgentRun) -> None:
@@ -90,6 +100,14 @@ def test_agent_job_trains_exactly_the_generated_tokens(agent_run: AgentRun) -> N
         assert unknown.startswith("404 ") and "no episode unknown-g" in unknown, unknown
         assert malformed.startswith("400 messages[0].role "), malformed
         assert "messages[0].role: one of ['system'" in malformed, malformed
+    # the junk sent to a live episode while the run trained: each answered 4xx (the client gone
+    # mid-body gets nothing); that it changed nothing is the workers' test (no junk there)
+    assert agent_run.junk == [("started", 0), ("malformed JSON", 400), ("wrong type", 400),
+                              ("missing field", 400), ("unknown model", 404),
+                              ("negative max_tokens", 400), ("huge max_tokens", 400),
+                              ("token id out of the vocabulary", 400)] + [
+        ("200 concurrent: unknown model", 404)] * 200 + [
+        ("body over the size limit", 413), ("not HTTP", 400), ("disconnects mid-body", 0)]
 
     received = _received_samples(batch_log)
     trained = {json.loads(line)["step"]: json.loads(line)["sample_ids"]
@@ -133,7 +151,8 @@ def test_agents_in_rollout_workers_train_the_samples_and_losses_of_agents_in_the
         agent_run: AgentRun, tmp_path: pathlib.Path) -> None:
     # Each worker serves its own endpoint (a free port) to the agents of its groups; S = 0 and
     # one seed: where an agent runs must change nothing but the wires (the trainer's batch log
-    # of the run in the controller changes nothing either).
+    # of the run in the controller changes nothing either), and the junk the run in the
+    # controller got changed nothing (the workers' agents send none).
     main(_agent_job(tmp_path, "in_workers", num_workers=2))
     trained = [[json.loads(line)["sample_ids"] for line in
                 (run_dir / "trained_samples.jsonl").read_text().splitlines()]

@@ -2,7 +2,7 @@
 httpx, raw sockets), with a scripted generate function and the tiny model's tokenizer. Every bad
 request gets a 4xx naming what is wrong (or a 503 with Retry-After when the endpoint is full),
 nothing reaches the generator, and the episode's next good call is the one it would have been:
-as if the bad ones had not come. docs/fault_tolerance.md's fuzz table is FUZZ_TABLE below."""
+as if the bad ones had not come. docs/fault_tolerance.md#bad-input summarises these cases."""
 
 from __future__ import annotations
 
