@@ -1,7 +1,9 @@
-"""The rollout viewer's page, without a browser: what the recorder keeps for it (each token and
-its generator logprob), what the page embeds (every recorded rollout, the step metrics), that no text a model wrote can break out of the page's script, that unreadable lines are
-counted, and the command that rewrites it. The page in a real browser: tests/metrics/
-rollout_viewer_browser.py, on the multi-turn job's run (test_controller_multi_turn_job.py)."""
+"""The rollout viewer's page: what the recorder keeps for it (each token and its generator
+logprob), what the page embeds (every recorded rollout of both sets, the step metrics), that no
+text a model wrote can break out of the page's script, that unreadable lines are counted, the
+command that rewrites it; in headless Chromium on a made-up run, the page-at-a-time drawing and
+model text shown as text. The page on a real job's run: tests/metrics/rollout_viewer_browser.py,
+called by test_controller_multi_turn_job.py."""
 
 from __future__ import annotations
 
@@ -104,3 +106,43 @@ def test_viewer_command_rewrites_the_page_and_names_what_is_missing(tmp_path, ca
     (tmp_path / "rec" / "r.jsonl").write_text(json.dumps({"step": 0, "turns": []}) + "\n")
     assert main([str(tmp_path), "--rollouts", "rec/r.jsonl", "--out", "view.html"]) == 0
     assert _embedded(tmp_path / "view.html")["sets"]["training"] == [{"step": 0, "turns": []}]
+
+
+def test_viewer_in_a_browser_draws_a_page_at_a_time_and_shows_model_text_as_text(tmp_path):
+    """Headless Chromium on a made-up run folder: 450 rollouts draw 200 at a time behind a
+    "show more" button, and a completion holding markup is shown as text, never run."""
+    from tests.metrics.headless_chromium import HeadlessChromium, require_chromium
+
+    require_chromium()
+    turn = {"completion_text": HOSTILE_TEXT, "completion_tokens": [HOSTILE_TEXT[:9],
+                                                                   HOSTILE_TEXT[9:]],
+            "completion_logprobs": [-0.5, None], "reward_parts": {}, "num_completion_tokens": 2,
+            "num_prompt_tokens": 3, "prompt_added_text": "<b>prompt</b>", "finish_reason": "stop",
+            "reward": None, "advantage": None, "drift": False}
+    (tmp_path / "rollouts").mkdir()
+    (tmp_path / "rollouts" / "rollouts.jsonl").write_text("".join(
+        json.dumps({"step": i // 300, "sample_id": f"group={i // 4}/rollout={i % 4}",
+                    "group_id": i // 4, "status": "completed", "reward": i / 450,
+                    "advantage": None if i % 7 == 0 else 0.5 - i / 450, "num_turns": 1,
+                    "turns": [turn]}) + "\n" for i in range(450)))
+    page = write_viewer(tmp_path)
+    with HeadlessChromium() as browser:
+        browser.open(page)
+        count = "document.querySelectorAll('.rollout').length"
+        more = "document.querySelector('.more')"
+        assert browser.evaluate(count) == 200
+        assert browser.evaluate(f"{more}.textContent") == "show 200 more of 250"
+        browser.evaluate(f"{more}.click()")
+        assert browser.evaluate(count) == 400
+        browser.evaluate(f"{more}.click()")
+        assert browser.evaluate(count) == 450
+        assert browser.evaluate(f"{more}.hidden") is True
+        assert browser.evaluate("document.querySelector('.completion').textContent") == \
+            HOSTILE_TEXT
+        assert browser.evaluate("document.querySelector('.prompt').textContent") == \
+            "<b>prompt</b>"
+        assert browser.evaluate("document.querySelectorAll('main script, .prompt b').length") == 0
+        assert browser.evaluate("document.title") == f"rollouts: {tmp_path.name}"
+        assert "none (not trained)" in browser.evaluate(
+            "document.querySelector('.rollout-head').textContent")  # rollout 0: left out
+        assert browser.console_errors == []
