@@ -4,15 +4,15 @@
         --write_viewer(run_dir)--> run_dir/rollout_viewer.html (inline CSS, JS and data)
 
 The page needs no server and no network: open it from the run folder (file://). It shows the
-recorded rollouts step by step and group by group: every turn (the prompt text the turn added, the
-completion), each turn's reward parts, reward and advantage, the rollout's status, reward and
-advantage; the completion's tokens coloured by their advantage or by the generator's logprob of
-the sampled token; filters by step, status, reward and text; a second step side by side. The
-filters live in the page's URL (``#step=10&compare=20&status=completed``), so a link or a
-bookmark reopens the same view.
+recorded rollouts, the training ones and the validations' (``validation.jsonl``), step by step
+and group by group: every turn (the prompt text the turn added, the completion), each turn's
+reward parts, reward and advantage, the rollout's status, reward and advantage; the completion's
+tokens coloured by their advantage or by the generator's logprob of the sampled token; filters by
+step, status, reward and text; a second step side by side. The filters live in the page's URL
+(``#step=10&compare=20&status=completed``), so a link or a bookmark reopens the same view.
 
 The recorder rewrites it after each step it records and the job at the run's end
-(``recorder.viewer_path``); for an existing run folder::
+(``recorder.viewer``); for an existing run folder::
 
     python -m torchtitan_rl.metrics.rollout_viewer runs/<name>
 
@@ -49,7 +49,6 @@ STEP_METRICS = (
     "time/step_s",
 )
 """The per-step metrics shown in each step's header (those the run logged)."""
-
 
 
 class _NonFinite:
@@ -154,16 +153,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=DEFAULT_VIEWER_PATH,
                         help="the page, relative to the run folder (default %(default)s)")
     args = parser.parse_args(argv)
+    # Errors are one `error:` line with exit 2, as the train and eval commands' are.
     if not args.run_dir.is_dir():
-        print(f"rollout_viewer: {args.run_dir} is not a folder", file=sys.stderr)
+        print(f"error: run_dir: {args.run_dir} is not a folder", file=sys.stderr)
         return 2
     if not (args.run_dir / args.rollouts).exists():
-        print(f"rollout_viewer: no recorded rollouts at {args.run_dir / args.rollouts} "
-              f"(recorder.every_k_steps = 0? another recorder.path? pass --rollouts)",
+        print(f"error: --rollouts: no recorded rollouts at {args.run_dir / args.rollouts} "
+              f"(recorder.every_k_steps = 0, or another recorder.path: pass it here)",
               file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(write_viewer(args.run_dir, rollouts_path=args.rollouts, viewer_path=args.out))
+    write_viewer(args.run_dir, rollouts_path=args.rollouts, viewer_path=args.out)
     return 0
 
 
