@@ -9,8 +9,10 @@ import logging
 
 import pytest
 
+from torchtitan_rl.console import ERROR_LINE_LIMIT
 from torchtitan_rl.controller.loop.constant_answer import constant_answer_baseline
 from torchtitan_rl.controller.loop.run_health import (
+    _ANSWER_CHARS,
     COLLAPSE_STEPS,
     RunHealth,
     answer_metrics,
@@ -64,11 +66,12 @@ def test_steps_that_train_nothing_are_counted_and_the_run_ends_with_one_warning(
     [warning] = caplog.records
     assert warning.levelno == logging.WARNING
     message = warning.getMessage()
-    assert message.startswith("4 of 5 steps trained nothing (3 because every group's rollouts "
-                              "scored alike (zero reward spread); 1 because a non-finite loss")
-    assert ": the task gives this model no learning signal (in those steps every rollout of a " \
-           "question got the same reward; their mean 0.000)" in message
-    assert "docs/environments.md#which-datasets-give-the-demo-model-a-signal" in message
+    assert message == (
+        "4 of 5 steps trained nothing (3: zero reward spread in every group; 1: a non-finite loss "
+        "(update skipped)): every rollout of a question got the same reward (mean 0.000): the "
+        "task gives this model no learning signal; see "
+        "docs/environments.md#which-datasets-give-the-demo-model-a-signal")
+    assert len(message) <= ERROR_LINE_LIMIT  # the console shows it whole
 
 
 def test_a_run_that_mostly_trained_says_nothing_at_its_end(caplog):
@@ -100,9 +103,11 @@ def test_answers_collapsing_onto_one_across_questions_warn_once(caplog):
     assert metrics["rollout/answers_top_share"] == 1.0
     assert metrics["rollout/answers_distinct_per_group"] == 1.0
     [warning] = caplog.records
-    assert "the policy's answers collapsed: for 3 steps in a row, 90% or more of the rollouts " \
-           "gave one answer ('1' at this step, 100%; 1.0 distinct answers per group)" \
-           in warning.getMessage()
+    assert warning.getMessage() == (
+        "step 4: the answers collapsed: 100% of the rollouts answered '1' (1.0 distinct answers "
+        "per group) whatever the question, 3 steps in a row; the reward (0.500) is what that "
+        "answer scores (see validation's constant-answer baseline)")
+    assert len(warning.getMessage()) + _ANSWER_CHARS <= ERROR_LINE_LIMIT  # a long answer too
     assert health.collapse is not None and health.collapse.to_data() == {
         "step": 2 + COLLAPSE_STEPS - 1, "answer": "1", "share": 1.0}
     health.end_step(10, fully, num_samples=0, skipped=False)

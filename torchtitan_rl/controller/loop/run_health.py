@@ -38,7 +38,7 @@ COLLAPSE_STEPS = 3
 HOLLOW_RUN_SHARE = 0.5
 """A run in which more than this share of the steps trained nothing ends with a warning."""
 NO_SIGNAL_DOC = "docs/environments.md#which-datasets-give-the-demo-model-a-signal"
-_ZERO_SPREAD = "every group's rollouts scored alike (zero reward spread)"
+_ZERO_SPREAD = "zero reward spread in every group"
 _ANSWER_CHARS = 40
 """An answer is quoted in a warning up to this many characters."""
 
@@ -132,14 +132,14 @@ class RunHealth:
     def _untrained_reason(groups: list[RolloutGroup], *, num_samples: int,
                           skipped: bool) -> str | None:
         if skipped:
-            return "a non-finite loss or gradient norm (the trainer skipped the update)"
+            return "a non-finite loss (update skipped)"
         if num_samples:
             return None
         reasons = collections.Counter(g.drop_reason for g in groups)
         if reasons and set(reasons) <= {"zero_std"}:
             return _ZERO_SPREAD
         if reasons and set(reasons) <= {"all_errored"}:
-            return "every group's rollouts failed"
+            return "every rollout failed"
         return "no training sample (" + ", ".join(
             f"{n} groups {reason or 'empty'}" for reason, n in sorted(
                 reasons.items(), key=lambda item: str(item[0]))) + ")"
@@ -156,27 +156,23 @@ class RunHealth:
         answer, share = top_answer(groups)
         self.collapse = Collapse(step=step, answer=answer, share=share)
         quoted = answer if len(answer) <= _ANSWER_CHARS else answer[:_ANSWER_CHARS - 3] + "..."
+        reward = statistics.fmean(r.reward for g in groups for r in g.rollouts)
         logger.warning(
-            "step %d: the policy's answers collapsed: for %d steps in a row, %.0f%% or more of "
-            "the rollouts gave one answer (%r at this step, %.0f%%; %.1f distinct answers per "
-            "group) whatever the question; its reward (%.3f) is what that answer scores, not a "
-            "sign it solves the task: compare validation's constant-answer baseline",
-            step, COLLAPSE_STEPS, 100 * COLLAPSE_SHARE, quoted, 100 * share,
-            metrics["rollout/answers_distinct_per_group"],
-            metrics.get("rollout_reward/mean", float("nan")))
+            "step %d: the answers collapsed: %.0f%% of the rollouts answered %r (%.1f distinct "
+            "answers per group) whatever the question, %d steps in a row; the reward (%.3f) is "
+            "what that answer scores (see validation's constant-answer baseline)",
+            step, 100 * share, quoted, metrics["rollout/answers_distinct_per_group"],
+            COLLAPSE_STEPS, reward)
 
     def warn_if_hollow(self) -> None:
         """One warning when more than `HOLLOW_RUN_SHARE` of this run's steps trained nothing."""
         untrained = sum(self.untrained_this_run.values())
         if not self.num_steps_this_run or untrained <= HOLLOW_RUN_SHARE * self.num_steps_this_run:
             return
-        why = "; ".join(f"{n} because {reason}" for reason, n in
-                        self.untrained_this_run.most_common())
+        why = "; ".join(f"{n}: {reason}" for reason, n in self.untrained_this_run.most_common())
         line = f"{untrained} of {self.num_steps_this_run} steps trained nothing ({why})"
         if self.untrained_this_run.most_common(1)[0][0] == _ZERO_SPREAD:
             mean = statistics.fmean(self.zero_spread_reward_means)
-            line += (f": the task gives this model no learning signal (in those steps every "
-                     f"rollout of a question got the same reward; their mean {mean:.3f}); a task "
-                     f"with partial credit, an easier config, a longer warm start or a larger "
-                     f"rollouter.group_size gives one ({NO_SIGNAL_DOC})")
+            line += (f": every rollout of a question got the same reward (mean {mean:.3f}): the "
+                     f"task gives this model no learning signal; see {NO_SIGNAL_DOC}")
         logger.warning("%s", line)
