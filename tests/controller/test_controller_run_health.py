@@ -46,7 +46,7 @@ def test_answer_metrics_count_distinct_answers_per_group_the_top_share_and_the_e
 
 def test_steps_that_train_nothing_are_counted_and_the_run_ends_with_one_warning(caplog):
     untrained: list[int] = []
-    health = RunHealth(untrained, num_steps=5)
+    health = RunHealth(untrained)
     caplog.set_level(logging.INFO, logger=LOGGER)
     zero = [_group(0, ["x"] * 4, [0.0] * 4, drop_reason="zero_std"),
             _group(1, ["y"] * 4, [0.0] * 4, drop_reason="zero_std")]
@@ -75,7 +75,7 @@ def test_steps_that_train_nothing_are_counted_and_the_run_ends_with_one_warning(
 
 
 def test_a_run_that_mostly_trained_says_nothing_at_its_end(caplog):
-    health = RunHealth([], num_steps=3)
+    health = RunHealth([])
     signal = [_group(0, ["x", "y"], [1.0, 0.0]), _group(1, ["x", "y"], [0.0, 1.0])]
     zero = [_group(0, ["x", "x"], [0.0, 0.0], drop_reason="zero_std")]
     for step, (groups, n) in enumerate([(signal, 4), (zero, 0), (signal, 4)]):
@@ -86,7 +86,7 @@ def test_a_run_that_mostly_trained_says_nothing_at_its_end(caplog):
 
 
 def test_answers_collapsing_onto_one_across_questions_warn_once(caplog):
-    health = RunHealth([], num_steps=10)
+    health = RunHealth([])
     caplog.set_level(logging.WARNING, logger=LOGGER)
     varied = [_group(0, ["1", "2", "1", "3"], [1, 0, 1, 0]), _group(1, ["1", "4", "5", "1"],
                                                                     [0, 1, 0, 0])]

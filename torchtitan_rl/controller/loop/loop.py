@@ -231,7 +231,7 @@ class TrainingLoop(Configurable):
         self.num_skipped_steps = self.num_skipped_in_row = self.num_checkpoints = 0
         self.num_validations = 0
         self.num_groups_restarted = 0
-        self.health = RunHealth(state.untrained_steps, num_steps=config.num_steps)
+        self.health = RunHealth(state.untrained_steps)
         """Steps that trained nothing, collapsed answers (run_health.py)."""
         self.constant_answer: ConstantAnswer | None = None
         """The validation episodes' constant-answer baseline (computed at the first validation)."""

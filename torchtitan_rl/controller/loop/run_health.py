@@ -96,9 +96,8 @@ class RunHealth:
     ``untrained_steps`` is the run's list (ControllerState's, so a resumed run keeps counting).
     """
 
-    def __init__(self, untrained_steps: list[int], *, num_steps: int) -> None:
+    def __init__(self, untrained_steps: list[int]) -> None:
         self.untrained_steps = untrained_steps
-        self.num_steps = num_steps
         self.num_steps_this_run = 0
         self.untrained_this_run: collections.Counter[str] = collections.Counter()
         """Why the steps of this process's run trained nothing: reason -> steps."""
