@@ -42,6 +42,8 @@ NOT_OPENED: dict[str, str] = {
     "torchtitan_rl.trainer.flops": "MFU metrics",
     "torchtitan_rl.trainer.batch_log": "a debug log (trainer.debug_batch_log)",
     "torchtitan_rl.trainer.kl": "the KL term (trainer.loss.kl_coef > 0)",
+    "torchtitan_rl.trainer.off_policy": "the off-policy correction's weights, masks and mismatch "
+                                        "metrics (trainer.loss.off_policy)",
     "torchtitan_rl.trainer.critic": "PPO's critic (trainer.critic.enabled)",
     "torchtitan_rl.trainer.lora": "LoRA adapters (trainer.lora.enabled)",
     "torchtitan_rl.assets.make_model": "the base model's digest (a LoRA checkpoint)",
