@@ -1,6 +1,7 @@
-"""placement.kind = "slurm" on a real Slurm cluster: Debian's slurmctld and 3 slurmd nodes on
+"""placement.kind = "slurm" on a real Slurm cluster: Debian's slurmctld and 4 slurmd nodes on
 this machine (scripts/slurm_cluster.py, started here and stopped by pid at the module's end),
-jobs submitted by Monarch's SlurmJob through the project's reader of squeue's JSON.
+jobs submitted by Monarch's SlurmJob through the project's reader of squeue's JSON. The last
+test is the elastic one's twin on one host (no cluster).
 
 In CI the cluster must start (the packages are installed with apt when missing); elsewhere,
 a machine where it cannot is a skip that says why."""
@@ -14,6 +15,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -47,7 +49,7 @@ def slurm_cluster(tmp_path_factory):
         if os.environ.get("CI"):
             pytest.fail(f"CI must run the Slurm tests: {e}")
         pytest.skip(f"no Slurm cluster on this machine: {e}")
-    cluster = slurm_cluster.Cluster(tmp_path_factory.mktemp("slurm"), num_nodes=3)
+    cluster = slurm_cluster.Cluster(tmp_path_factory.mktemp("slurm"), num_nodes=4)
     cluster.up(detach=False)
     try:
         yield cluster
@@ -116,40 +118,99 @@ def test_a_sigkilled_controller_leaves_no_allocation_and_no_process(slurm_cluste
     _assert_nothing_left(slurm_cluster)
 
 
-def test_a_lost_node_retires_its_generator_and_the_run_goes_on(slurm_cluster, tmp_path):
-    """node3 (generator_1's) fails for good after step 1: its slurmd and every process on it
-    SIGKILLed. Slurm keeps the job on the other nodes (--no-kill), the lost generator's groups
-    restart from their prompts on generator_0, its replacement cannot spawn on the dead node,
-    and the run goes on with one generator, saying so once; every group is trained once."""
-    from tests.controller.jobs import LogWatch, assert_every_group_trained_once
+def _run_elastic(proc: subprocess.Popen, run_dir: pathlib.Path, *,
+                 lose: tuple[Any, str] | None = None) -> tuple[str, int]:
+    """After step 1: (``lose`` = (cluster, node): that node fails for good, and its generator's
+    retirement is awaited), then a generator is added, then generator_0 is removed once the
+    new one serves; the run is SIGTERMed two steps later. Returns its stderr and the last step
+    logged before the removal's answer."""
+    import signal
 
-    num_steps = 8
-    proc = _train_on_slurm(
-        slurm_cluster, tmp_path, "--num_generators", "2", "--loop.num_steps", str(num_steps),
-        "--loop.replace_dropped_groups", "0", "--log.level", "debug",
-        "--generator.engine", "stand_in", "--generator.stand_in_tokens_per_s", "2000",
-        # Monarch gives up on a host that stopped answering, and on a spawn there, after these
-        # (defaults 1 min and 30 s); the run's reaction is the same.
-        env={"HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE": "10s",
-             "HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE": "10s"})
+    from tests.controller.jobs import LogWatch
+    from torchtitan_rl.controller.fleet import requests
+
     log = LogWatch(proc.stderr)
     try:
-        log.wait_for(r"slurm job \d+: the trainer on node1, the generators on node2, node3")
-        log.wait_for(r"generator generator_1 started")
         log.wait_for(r"step=1 ")
-        assert slurm_cluster.kill_node("node3") >= 2  # slurmd, the worker, its procs
-        proc.wait(timeout=600)
+        if lose is not None:
+            cluster, node = lose
+            assert cluster.kill_node(node) >= 2  # slurmd, the worker, its procs
+            log.wait_for(r"cannot be replaced on its host")
+        added = requests.submit(run_dir, "add")
+        wait_for(added.exists, "the add request's answer", timeout_s=300)
+        assert json.loads(added.read_text())["done"], added.read_text()
+        removed = requests.submit(run_dir, "remove", "generator_0")
+        wait_for(removed.exists, "the remove request's answer", timeout_s=300)
+        assert json.loads(removed.read_text())["done"], removed.read_text()
+        removed_at = max(read_metrics(run_dir))
+        log.wait_for(rf"step={removed_at + 2} ")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
         log.wait_closed()
     finally:
         if proc.poll() is None:
             proc.kill()
+    return log.text(), removed_at
+
+
+def _assert_elastic_run(run_dir: pathlib.Path, stderr: str, removed_at: int, returncode: int,
+                        added: str) -> None:
+    """SIGTERMed (its cleanup ran); every step once, no group twice; ``added`` serves alone
+    at the end, generator_0 got nothing after its removal."""
+    assert returncode == 128 + 15, stderr[-4000:]
+    steps = [json.loads(line) for line in (run_dir / "trained_samples.jsonl").open()]
+    assert [s["step"] for s in steps] == list(range(len(steps)))  # every step once
+    group_ids = [g for s in steps for g in s["group_ids"]]
+    assert len(group_ids) == len(set(group_ids))  # no group twice
+    metrics = read_metrics(run_dir)
+    last = metrics[max(metrics)]
+    assert last["generator/num_serving"] == 1
+    assert last[f"router/{added}/num_routed"] > 0  # it took the weights and served
+    assert (metrics[removed_at + 1]["router/generator_0/num_routed"]
+            == last["router/generator_0/num_routed"])
+    assert f"{added} added (policy v" in stderr and "generator_0 removed (" in stderr
+
+
+def test_a_lost_node_then_a_generator_added_on_a_new_node_and_one_removed(slurm_cluster,
+                                                                          tmp_path):
+    """Generators on node2 and node3. node3 fails for good after step 1 (its slurmd and every
+    process on it SIGKILLed): Slurm keeps the job on the other nodes (--no-kill), the host watch
+    notices, generator_1's groups restart from their prompts on generator_0, nothing is spawned
+    on the dead node, and the run goes on with one generator, saying so once. Then an add
+    request gets a one-node allocation (node4) for generator_2, which takes the current weights
+    and serves; generator_0 is drained and removed; generator_2 serves alone. Every step once,
+    no group twice; both allocations cancelled and nothing left on any node at the end."""
+    proc = _train_on_slurm(
+        slurm_cluster, tmp_path, "--num_generators", "2", "--loop.num_steps", "500",
+        "--loop.replace_dropped_groups", "0", "--log.level", "debug",
+        "--generator.engine", "stand_in", "--generator.stand_in_tokens_per_s", "2000")
+    try:
+        stderr, removed_at = _run_elastic(proc, tmp_path / "letters",
+                                          lose=(slurm_cluster, "node3"))
+    finally:
         slurm_cluster.start_node("node3", detach=False)
-    stderr = log.text()
-    assert proc.returncode == 0, stderr[-4000:]
+    assert re.search(r"slurm job \d+: the trainer on node1, the generators on node2, node3",
+                     stderr), stderr[-4000:]
+    assert re.search(r"slurm job \d+: generator_2 on node4", stderr), stderr[-4000:]
     retired = [line for line in stderr.splitlines() if "cannot be replaced on its host" in line]
     assert len(retired) == 1 and "goes on with 1 of 2 generators" in retired[0], stderr[-4000:]
     run_dir = tmp_path / "letters"
-    assert_every_group_trained_once(run_dir, num_steps, num_steps * 2)
-    assert read_metrics(run_dir)[num_steps - 1]["generator/num_retired"] == 1
+    _assert_elastic_run(run_dir, stderr, removed_at, proc.returncode, added="generator_2")
+    assert read_metrics(run_dir)[removed_at]["generator/num_retired"] == 1
     slurm_cluster.wait_idle(slurm_cluster.node_names())
     _assert_nothing_left(slurm_cluster)
+
+
+def test_a_generator_added_and_one_removed_mid_run_on_one_host(tmp_path):
+    """The same requests on the local placement (no cluster): generator_1 joins on this host."""
+    cmd = [sys.executable, "-m", "torchtitan_rl.train", "--config", LETTERS_TOML,
+           "--output_dir", str(tmp_path), "--loop.num_steps", "500",
+           "--loop.replace_dropped_groups", "0", "--log.level", "debug",
+           "--generator.engine", "stand_in", "--generator.stand_in_tokens_per_s", "2000"]
+    env = {**env_without_faults(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env.pop("TORCHTITAN_RL_LOG_LEVEL", None)
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    stderr, removed_at = _run_elastic(proc, tmp_path / "letters")
+    _assert_elastic_run(tmp_path / "letters", stderr, removed_at, proc.returncode,
+                        added="generator_1")

@@ -90,7 +90,8 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
                              abort_on_pull=partial_rollouts, policy_version=resume_step or 0,
                              on_fatal=on_fatal,
                              host_poll_s=(plan.placement.health_poll_s
-                                          or auto_health_poll_s(len(plan.generators))))
+                                          or auto_health_poll_s(len(plan.generators))),
+                             run_dir=run_dir)
         generate_fn = await pool.spawn(trainer_spawn)
         trainer = trainer_spawn.result()
         if plan.rollouter.num_workers:

@@ -149,6 +149,23 @@ class GeneratorRouter(Configurable):
         for mirror in self._mirrors:
             mirror.set_syncing(indices, syncing)
 
+    @property
+    def mirrored(self) -> bool:
+        """Rollout workers mirror this router (their generators are fixed at their spawn)."""
+        return bool(self._mirrors)
+
+    def add(self, generator: GenerateFn) -> int:
+        """Serve with one more generator (added mid-run); returns its index."""
+        if self._mirrors:
+            raise RuntimeError("generators cannot be added while rollout workers mirror the "
+                               "router (rollouter.num_workers > 0)")
+        self.generators.append(generator)
+        self.inflight_requests.append(0)
+        self.num_routed.append(0)
+        self._round_robin = itertools.cycle(range(len(self.generators)))
+        self._any_in.set()
+        return len(self.generators) - 1
+
     def num_serving(self) -> int:
         """Generators not taken out."""
         return len(self.generators) - len(self._out)

@@ -23,18 +23,24 @@
              when the replacement fails (its host is gone: a lost node) while other generators
              serve: it stays out, one warning, and the run goes on with the others;
              past generator.max_restarts, or with no generator left: the run fails, one line.
+    fleet requests (requests.py, read every health poll): add_generator() spawns one more on a
+             new host (slurm: a one-node allocation) and pushes it the current version before it
+             serves; remove_generator(name) drains one (nothing new routed, its requests finish)
+             and closes it, never replaced.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import pathlib
 import time
 from collections.abc import Awaitable, Callable
 
 from monarch.actor import ProcMesh
 
-from torchtitan_rl.console import short_report
+from torchtitan_rl.console import CONSOLE, short_report
+from torchtitan_rl.controller.fleet import requests as fleet_requests
 from torchtitan_rl.controller.fleet.weight_push import WeightPush, until_lost
 from torchtitan_rl.controller.hosts.host_watch import HostWatch
 from torchtitan_rl.controller.hosts.placement import HostUnreachableError, RunHosts
@@ -56,22 +62,29 @@ logger = logging.getLogger(__name__)
 
 
 STOP_TIMEOUT_S = 60.0
+DRAIN_TIMEOUT_S = 60.0
+"""A generator removed on request: how long its requests in flight get to finish."""
 SPAWN_TIMEOUT_S = 600.0
 LOST_REASON_CHARS = 100
 """How much of a loss's reason a failed replacement's one-line error repeats."""
+
+
+class FleetRequestRefused(RuntimeError):
+    """A fleet request that cannot be carried out (its answer says why)."""
 
 
 class GeneratorPool(ReplaceableMeshes):
     def __init__(self, configs: list[Generator.Config], router_config: GeneratorRouter.Config, *,
                  hosts: RunHosts, weight_transport: str, abort_on_pull: bool,
                  policy_version: int, on_fatal: Callable[[str], None],
-                 host_poll_s: float = 2.0) -> None:
+                 host_poll_s: float = 2.0, run_dir: pathlib.Path | None = None) -> None:
         """``hosts``: where each generator lives (placement.py); ``weight_transport``: the
         trainer's setting (auto | message | shared_memory); ``policy_version``: the version the
         generators start with (the trainer's weights); ``on_fatal``: how a failed replacement
         fails the run (supervision.MeshFailureWatch); ``host_poll_s``: how often the generator
-        hosts' workers are probed, where the placement names them (host_watch.py). The trainer
-        comes with ``spawn``."""
+        hosts' workers are probed, where the placement names them (host_watch.py), and the
+        run folder ``run_dir`` read for fleet requests (requests.py). The trainer comes with
+        ``spawn``."""
         super().__init__("generator", len(configs))
         self.configs = configs
         self.router_config = router_config
@@ -94,9 +107,13 @@ class GeneratorPool(ReplaceableMeshes):
         self._push_lock = asyncio.Lock()
         self._push_reported: set[str] = set()
         self.host_poll_s = host_poll_s
+        self.removed: set[int] = set()
+        """Generators drained and closed on request (requests.py): never replaced."""
         self.lost_hosts: set[int] = set()
         """Generator hosts gone whole (host_watch.py): nothing is spawned or stopped there."""
-        self._host_watch: asyncio.Task[None] | None = None
+        self.run_dir = run_dir
+        self._tasks: list[asyncio.Task[None]] = []
+        """The host watch and the fleet requests' watch, cancelled at close."""
         self.shared_procs: ProcMesh | None = None
         """The first generators' one proc mesh (None: a mesh each); stopped at close."""
 
@@ -126,7 +143,10 @@ class GeneratorPool(ReplaceableMeshes):
         if self.hosts.generator_workers:
             watch = HostWatch(self.hosts.generator_workers, self._on_host_lost,
                               interval_s=self.host_poll_s)
-            self._host_watch = asyncio.create_task(watch.run(), name="generator-host-watch")
+            self._tasks.append(asyncio.create_task(watch.run(), name="generator-host-watch"))
+        if self.run_dir is not None:
+            self._tasks.append(asyncio.create_task(self.watch_requests(self.run_dir),
+                                                   name="generator-fleet-requests"))
         if self.abort_on_pull:
             self.resuming = ResumingGenerateFn(self.router)
             return self.resuming
@@ -187,6 +207,97 @@ class GeneratorPool(ReplaceableMeshes):
                     logger.warning("%s could not go back to v%d: it is replaced",
                                    generator.name, version)
 
+    # ---- a fleet that changes mid-run (controller/fleet/requests.py) ----------------------------
+    async def watch_requests(self, run_dir: pathlib.Path) -> None:
+        """Answer the run folder's fleet requests, oldest first, every ``host_poll_s``."""
+        while True:
+            await asyncio.sleep(self.host_poll_s)  # the poll's period, not a synchronisation
+            for request in fleet_requests.pending(run_dir):
+                if isinstance(request, tuple):
+                    fleet_requests.answer(*request, done=False)
+                    continue
+                try:
+                    if request.action == "add":
+                        outcome = await self.add_generator()
+                    else:
+                        outcome = await self.remove_generator(request.generator or "")
+                    done = True
+                except FleetRequestRefused as e:
+                    outcome, done = f"refused: {e}", False
+                except Exception as e:
+                    logger.warning("fleet request %s failed", request.path.name, exc_info=True)
+                    outcome, done = f"failed: {short_report(repr(e), 300)}", False
+                if not done:
+                    logger.warning("fleet request %s %s", request.action, outcome)
+                fleet_requests.answer(request.path, outcome, done=done)
+
+    async def add_generator(self) -> str:
+        """One more generator (generator 0's config) on a host of its own where the placement
+        makes hosts (slurm; the generators' host when local), given the current policy version,
+        then routed to."""
+        assert self.router is not None
+        if self.router.mirrored:
+            raise FleetRequestRefused("rollout workers hold the generators they were spawned "
+                                      "with (rollouter.num_workers > 0)")
+        index = len(self.handles)
+        name = f"generator_{index}"
+        try:
+            host = await self.hosts.add_generator_host(index)
+        except HostUnreachableError as e:
+            raise FleetRequestRefused(str(e)) from None
+        config = self.configs[0]
+        handle = await asyncio.wait_for(
+            spawn_generator(config, name=name, host=host, on_lost=self._on_handle_lost),
+            SPAWN_TIMEOUT_S)
+        handle.weight_transport, _ = self._transport_for(handle)
+        async with self._push_lock:  # one version, once: not while the loop pushes
+            if self.policy_version > 0:
+                await self._weight_push().to_replacement(handle, self.policy_version)
+            self.configs.append(config)
+            self.names.append(name)
+            self.num_restarts.append(0)
+            self.handles.append(handle)
+            self.router.add(handle)
+        outcome = (f"{name} added (policy v{self.policy_version}): "
+                   f"{self.router.num_serving()} generators serve")
+        logger.info(outcome, extra=CONSOLE)
+        return outcome
+
+    async def remove_generator(self, name: str) -> str:
+        """Drain generator ``name``: nothing new is routed to it, its requests in flight finish
+        (those still running after ``DRAIN_TIMEOUT_S`` restart elsewhere from their prompts),
+        then it is closed; the run goes on with the others."""
+        assert self.router is not None
+        index = next((i for i, h in enumerate(self.handles)
+                      if name in (h.name, f"generator_{i}")), None)
+        if index is None:
+            raise FleetRequestRefused(f"no generator {name!r} (generator_0 .. "
+                                      f"generator_{len(self.handles) - 1})")
+        handle = self.handles[index]
+        if handle.lost_reason is not None or self.replacing(index):
+            why = handle.lost_reason or "being replaced"
+            raise FleetRequestRefused(f"{name} does not serve ({why})")
+        if self.router.num_serving() <= 1:
+            raise FleetRequestRefused(f"{name} is the last generator serving")
+        self.removed.add(index)
+        self.router.take_out(index)
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while self.router.inflight_requests[index] and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)  # polling the drain: requests end on their own schedule
+        left = self.router.inflight_requests[index]
+        async with self._push_lock:  # a push in flight to it finishes first
+            handle.detach(f"{name} was removed")  # what is left restarts from its prompts
+        try:
+            await handle.close(timeout_s=STOP_TIMEOUT_S)
+            if handle.procs is None:  # a proc of the shared mesh: its actor must not linger
+                await asyncio.wait_for(handle.actors.stop(), STOP_TIMEOUT_S)
+        except Exception as e:
+            logger.warning("closing removed %s: %r", name, e)
+        outcome = (f"{name} removed ({left} requests restarted elsewhere): "
+                   f"{self.router.num_serving()} generators serve")
+        logger.info(outcome, extra=CONSOLE)
+        return outcome
+
     # ---- loss and replacement -------------------------------------------------------------------
     def mark_lost(self, index: int, reason: str) -> None:
         """Generator ``index`` died: take it out, fail its calls, replace it (once)."""
@@ -207,6 +318,8 @@ class GeneratorPool(ReplaceableMeshes):
         if self.closing or handle not in self.handles:
             return  # a handle replaced already
         index = self.handles.index(handle)
+        if index in self.removed:
+            return  # drained on request: not replaced
         if self.replacing(index):
             return
         assert self.router is not None
@@ -286,6 +399,7 @@ class GeneratorPool(ReplaceableMeshes):
             **self.router.metrics(),
             "generator/restarts": float(sum(self.num_restarts)),
             "generator/num_retired": float(self.num_retired),
+            "generator/num_serving": float(self.router.num_serving()),
             "generator/recovery_s": self.last_recovery_s,
             "generator/requests_served_by_others_during_recovery": float(served),
         }
@@ -294,8 +408,9 @@ class GeneratorPool(ReplaceableMeshes):
         return metrics
 
     async def close(self) -> None:
-        if self._host_watch is not None:
-            self._host_watch.cancel()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.stop_replacing()
         results = await asyncio.gather(*(h.close(timeout_s=STOP_TIMEOUT_S)
                                          for i, h in enumerate(self.handles)

@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 class HostWatch:
     def __init__(self, addresses: list[str], on_lost: Callable[[int, str], None], *,
                  interval_s: float, misses: int = 2) -> None:
-        """``addresses[i]``: host i's worker (tcp:// or tls://; others are not watched);
+        """``addresses[i]``: host i's worker (tcp:// or tls://; others are not watched; the
+        list is read at every round);
         ``on_lost(i, reason)`` once host i missed ``misses`` probes in a row."""
         self.addresses = addresses
         self.on_lost = on_lost
@@ -35,14 +36,15 @@ class HostWatch:
         self.lost: set[int] = set()
 
     async def run(self) -> None:
-        missed = [0] * len(self.addresses)
-        while len(self.lost) < len(self.addresses):
+        """Until cancelled; ``addresses`` may grow meanwhile (a host added mid-run)."""
+        missed: dict[int, int] = {}
+        while True:
             await asyncio.sleep(self.interval_s)  # the probe's period, not a synchronisation
-            for index, address in enumerate(self.addresses):
+            for index, address in enumerate(list(self.addresses)):
                 if index in self.lost:
                     continue
                 error = await self.probe(address)
-                missed[index] = missed[index] + 1 if error else 0
+                missed[index] = missed.get(index, 0) + 1 if error else 0
                 if missed[index] >= self.misses:
                     self.lost.add(index)
                     self.on_lost(index, f"its worker at {address} stopped answering ({error})")

@@ -31,6 +31,7 @@ import dataclasses
 import logging
 import math
 import urllib.parse
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from torchtitan_rl.config.configurable import Configurable
@@ -190,6 +191,7 @@ class Placement(Configurable):
             if c.kind == "slurm":
                 hosts.generator_workers = [f"tcp://{node}:{c.slurm.monarch_port}"
                                            for node in job.hostnames()[c.trainer_hosts:]]
+                hosts.open_host = lambda name: _open_slurm_host(c, name, reaper)
             await hosts.wait_up(f"placement.kind={c.kind}", c.host_timeout_s)
             if c.kind == "slurm":
                 nodes = job.hostnames()
@@ -220,16 +222,45 @@ class RunHosts:
     """Ends the job's processes if this controller ends without close (controller/hosts/reaper.py)."""
     generator_workers: list[str] = dataclasses.field(default_factory=list)
     """The generator hosts' worker addresses, where the run knows them (attach, slurm): watched
-    for a host lost whole (host_watch.py)."""
+    for a host lost whole (host_watch.py). Hosts added mid-run come after the first ones."""
+    open_host: Callable[[str], Awaitable[tuple[Any, Any, str]]] | None = None
+    """slurm: a new host for one more generator (a one-node allocation of its own): (its
+    HostMesh, its job, its worker address). None: a generator added mid-run shares the
+    generators' host (local), or cannot be added (other kinds)."""
+    added: dict[int, tuple[Any, int]] = dataclasses.field(default_factory=dict)
+    """Generators added mid-run on hosts of their own: index -> (HostMesh, host index)."""
+    added_jobs: list[Any] = dataclasses.field(default_factory=list)
+    """The allocations of those hosts (killed at close)."""
 
     def generator_host_index(self, index: int) -> int:
-        """The host generator ``index`` runs on, in ``generators`` (0: local placement)."""
+        """The host generator ``index`` runs on (0: local placement); an added generator's host
+        comes after the placement's generator hosts."""
+        if index in self.added:
+            return self.added[index][1]
         return index // self.generators_per_host if self.generators_per_host else 0
 
     def generator_host(self, index: int) -> Any:
+        if index in self.added:
+            return self.added[index][0]
         if self.generators_per_host == 0:
             return self.generators
         return self.generators.slice(hosts=self.generator_host_index(index))
+
+    async def add_generator_host(self, index: int) -> Any:
+        """The host for generator ``index``, added mid-run: a new one where the placement makes
+        hosts (slurm), else the generators' one host (local). Raises HostUnreachableError
+        where neither holds."""
+        if self.open_host is not None:
+            mesh, job, address = await self.open_host(f"generator_{index}")
+            self.added_jobs.append(job)
+            self.generator_workers.append(address)
+            self.added[index] = (mesh, len(self.generator_workers) - 1)
+            return mesh
+        if self.generators_per_host == 0:
+            return self.generators
+        raise HostUnreachableError(
+            "this placement cannot add a generator's host mid-run (placement.kind local and "
+            "slurm can)")
 
     async def wait_up(self, what: str, timeout_s: float) -> None:
         for name, mesh in (("trainer", self.trainer), ("generators", self.generators)):
@@ -246,11 +277,38 @@ class RunHosts:
 
     async def close(self, timeout_s: float = 60.0) -> None:
         try:
-            if self.job is not None:
-                await asyncio.wait_for(asyncio.to_thread(_kill, self.job), timeout_s)
+            for job in [self.job, *self.added_jobs]:
+                if job is not None:
+                    await asyncio.wait_for(asyncio.to_thread(_kill, job), timeout_s)
         finally:
             if self.reaper is not None:  # whatever the kill left (or a kill that timed out)
                 await asyncio.to_thread(self.reaper.close)
+
+
+async def _open_slurm_host(c: Placement.Config, name: str,
+                           reaper: OrphanReaper | None) -> tuple[Any, Any, str]:
+    """A one-node Slurm allocation of its own for mesh ``name`` (a generator added mid-run),
+    cancelled with the run's; bounded by ``placement.host_timeout_s``."""
+    from torchtitan_rl.controller.hosts.slurm_job import SlurmJob
+
+    job = SlurmJob({name: 1}, **slurm_job_kwargs(c.slurm, c.host_timeout_s))
+    if reaper is not None:
+        job.on_submit = reaper.cancel_slurm_job_at_exit
+    try:
+        state = await asyncio.wait_for(asyncio.to_thread(job.state, cached_path=None),
+                                       c.host_timeout_s)
+        mesh = getattr(state, name)
+        await asyncio.wait_for(mesh.initialized, c.host_timeout_s)
+    except BaseException as e:
+        _kill(job)
+        if isinstance(e, TimeoutError):
+            raise HostUnreachableError(
+                f"placement.kind=slurm: a node for {name} was not allocated and up after "
+                f"{c.host_timeout_s:g} s (placement.host_timeout_s)") from None
+        raise
+    node = job.hostnames()[0]
+    logger.info("slurm job %s: %s on %s", job.job_id, name, node, extra=CONSOLE)
+    return mesh, job, f"tcp://{node}:{c.slurm.monarch_port}"
 
 
 async def _attach(c: Placement.Config) -> RunHosts:

@@ -8,8 +8,9 @@ and the rollout workers.
          proc_of(i): actor i's one-proc slice, on generator host host_of[i]; the caller spawns
          its own actor mesh there (named as a mesh of its own would be: it is reported, stopped
          and replaced alone)
-         None: fewer than two, or hosts not filled evenly: the caller spawns a mesh each, as it
-         does for every replacement
+         None: fewer than two, hosts not filled evenly, or several machines of their own
+         (slurm, attach: one lost would take the mesh with it): the caller spawns a mesh each,
+         as it does for every replacement
 
 Why: Monarch's health poll costs the controller CPU per proc mesh (bench/supervision_cpu.py:
 ~2.1 ms per one-proc mesh per poll, ~1.0 ms per actor mesh on a shared proc mesh; two rollout
@@ -42,6 +43,10 @@ def spawn_shared_procs(hosts: RunHosts, host_of: list[int], name: str,
     used = sorted(per_host_counts)
     if (len(host_of) < 2 or used != list(range(len(used)))
             or len(set(per_host_counts.values())) != 1):
+        return None
+    if hosts.generator_workers and len(used) > 1:
+        # Machines of their own (slurm, attach): a proc mesh over several dies with any of them
+        # (a lost Slurm node's peer on another node was reaped as orphaned within 10 s).
         return None
     per_host = per_host_counts[0]
     mesh = hosts.generators
