@@ -52,6 +52,7 @@ NOT_OPENED: dict[str, str] = {
     "torchtitan_rl.models": "the model, built once; its HF names for the push",
     # other settings than the main job's
     "torchtitan_rl.controller.rollout_workers": "rollouter.num_workers > 0",
+    "torchtitan_rl.controller.fleet.requests": "generators added or removed on request",
     "torchtitan_rl.generator.partial_rollout": "loop.partial_rollout = 'abort'",
     "torchtitan_rl.generator.stand_in_engine": "generator.engine = 'stand_in'",
     "torchtitan_rl.weight_sync.relay": "generators off the trainer's machine",
