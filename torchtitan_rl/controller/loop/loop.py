@@ -382,7 +382,7 @@ class TrainingLoop(Configurable):
             "generator/groups_restarted_after_loss": float(self.num_groups_restarted),
         }
         metrics.update(self.health.end_step(step, groups, num_samples=len(samples),
-                                            skipped=skipped or not samples))
+                                            skipped=skipped))
         num_turns = sum(len(r.turns) for g in groups for r in g.rollouts)
         if num_turns:
             metrics["rollout/controller_cpu_ms_per_turn"] = 1e3 * rollout_cpu_s / num_turns
