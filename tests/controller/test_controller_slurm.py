@@ -201,6 +201,45 @@ def test_a_lost_node_then_a_generator_added_on_a_new_node_and_one_removed(slurm_
     _assert_nothing_left(slurm_cluster)
 
 
+def test_a_lost_trainer_node_fails_the_run_with_one_line_and_a_rerun_resumes(slurm_cluster,
+                                                                               tmp_path):
+    """node1 (the trainer's) fails for good after step 2: the trainer host watch fails the run
+    with one line naming the way back; the same command again resumes from the last checkpoint
+    on the nodes Slurm gives now (node1 is down), and every step is trained once."""
+    from tests.controller.jobs import LogWatch
+
+    args = ("--loop.num_steps", "6", "--loop.replace_dropped_groups", "0", "--log.level", "debug",
+            "--generator.engine", "stand_in", "--generator.stand_in_tokens_per_s", "300")
+    first = _train_on_slurm(slurm_cluster, tmp_path, *args)
+    log = LogWatch(first.stderr)
+    try:
+        log.wait_for(r"step=2 ")
+        assert slurm_cluster.kill_node("node1") >= 2  # slurmd, the worker, the trainer's proc
+        first.wait(timeout=300)
+        log.wait_closed()
+    finally:
+        if first.poll() is None:
+            first.kill()
+    errors = [line for line in log.text().splitlines() if line.startswith("error:")]
+    assert first.returncode == 1 and len(errors) == 1, log.text()[-4000:]
+    assert "the trainer's host is gone: its worker at tcp://node1:22222" in errors[0]
+    assert "run the same command again to resume" in errors[0]
+    try:
+        rerun = _train_on_slurm(slurm_cluster, tmp_path, *args)
+        _, stderr = rerun.communicate(timeout=600)
+    finally:
+        slurm_cluster.start_node("node1", detach=False)
+    assert rerun.returncode == 0, stderr[-4000:]
+    assert re.search(r"slurm job \d+: the trainer on node[234],", stderr), stderr[-4000:]
+    run_dir = tmp_path / "letters"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from_step"] >= 2
+    steps = [json.loads(line)["step"] for line in (run_dir / "trained_samples.jsonl").open()]
+    assert steps == list(range(6))  # every step once across both runs
+    slurm_cluster.wait_idle(slurm_cluster.node_names())
+    _assert_nothing_left(slurm_cluster)
+
+
 def test_a_generator_added_and_one_removed_mid_run_on_one_host(tmp_path):
     """The same requests on the local placement (no cluster): generator_1 joins on this host."""
     cmd = [sys.executable, "-m", "torchtitan_rl.train", "--config", LETTERS_TOML,

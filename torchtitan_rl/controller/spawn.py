@@ -74,6 +74,8 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
     pool: GeneratorPool | None = None
     workers: RolloutWorkerPool | None = None
     hosts = await plan.placement.build().open(len(plan.generators))
+    host_poll_s = plan.placement.health_poll_s or auto_health_poll_s(len(plan.generators))
+    hosts.watch_trainer_hosts(on_fatal, host_poll_s)
     if spawn_trainer is not None:
         trainer_spawn = asyncio.ensure_future(spawn_trainer(
             plan.trainer, model_dir, batcher=plan.batcher, verify_push=plan.verify_weight_push))
@@ -89,9 +91,7 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
                              weight_transport=plan.trainer.weight_transport,
                              abort_on_pull=partial_rollouts, policy_version=resume_step or 0,
                              on_fatal=on_fatal,
-                             host_poll_s=(plan.placement.health_poll_s
-                                          or auto_health_poll_s(len(plan.generators))),
-                             run_dir=run_dir)
+                             host_poll_s=host_poll_s, run_dir=run_dir)
         generate_fn = await pool.spawn(trainer_spawn)
         trainer = trainer_spawn.result()
         if plan.rollouter.num_workers:

@@ -19,6 +19,7 @@
                                  ("process" simulates that): weight pushes never use shared memory
     hosts.generator_workers      the generator hosts' worker addresses (attach, slurm): a host
                                  whose worker stops answering is lost (host_watch.py)
+    hosts.watch_trainer_hosts(on_lost)  the trainer's hosts likewise: one is gone -> on_lost
     await hosts.close()          the job's workers are stopped (process, slurm); bounded
 
 A host that cannot be reached is one HostUnreachableError line naming it (exit 1), never a hang.
@@ -44,6 +45,7 @@ from torchtitan_rl.controller.hosts.cluster_jobs import (
     kubernetes_job,
     slurm_job_kwargs,
 )
+from torchtitan_rl.controller.hosts.host_watch import HostWatch
 from torchtitan_rl.controller.hosts.reaper import OrphanReaper
 from torchtitan_rl.controller.supervision import (
     MIN_PROMPT_HEALTH_POLL_S,
@@ -189,8 +191,9 @@ class Placement(Configurable):
                              generators_per_host=c.generators_per_host, job=job,
                              separate_machines=c.kind == "process", reaper=reaper)
             if c.kind == "slurm":
-                hosts.generator_workers = [f"tcp://{node}:{c.slurm.monarch_port}"
-                                           for node in job.hostnames()[c.trainer_hosts:]]
+                workers = [f"tcp://{node}:{c.slurm.monarch_port}" for node in job.hostnames()]
+                hosts.trainer_workers = workers[:c.trainer_hosts]
+                hosts.generator_workers = workers[c.trainer_hosts:]
                 hosts.open_host = lambda name: _open_slurm_host(c, name, reaper)
             await hosts.wait_up(f"placement.kind={c.kind}", c.host_timeout_s)
             if c.kind == "slurm":
@@ -220,6 +223,9 @@ class RunHosts:
     """Each host is its own machine by construction (simulated hosts): never shared memory."""
     reaper: OrphanReaper | None = None
     """Ends the job's processes if this controller ends without close (controller/hosts/reaper.py)."""
+    trainer_workers: list[str] = dataclasses.field(default_factory=list)
+    """The trainer hosts' worker addresses (attach, slurm): a trainer host lost whole fails the
+    run with one line (watch_trainer_hosts), which a rerun resumes."""
     generator_workers: list[str] = dataclasses.field(default_factory=list)
     """The generator hosts' worker addresses, where the run knows them (attach, slurm): watched
     for a host lost whole (host_watch.py). Hosts added mid-run come after the first ones."""
@@ -231,6 +237,9 @@ class RunHosts:
     """Generators added mid-run on hosts of their own: index -> (HostMesh, host index)."""
     added_jobs: list[Any] = dataclasses.field(default_factory=list)
     """The allocations of those hosts (killed at close)."""
+    trainer_host_lost: bool = False
+    """A trainer host is gone (watch_trainer_hosts): nothing there is closed, only killed."""
+    _watches: list[asyncio.Task[None]] = dataclasses.field(default_factory=list)
 
     def generator_host_index(self, index: int) -> int:
         """The host generator ``index`` runs on (0: local placement); an added generator's host
@@ -245,6 +254,21 @@ class RunHosts:
         if self.generators_per_host == 0:
             return self.generators
         return self.generators.slice(hosts=self.generator_host_index(index))
+
+    def watch_trainer_hosts(self, on_lost: Callable[[str], None], interval_s: float) -> None:
+        """Watch the trainer's hosts (host_watch.py) until close: ``on_lost(why)`` once one is
+        gone. Monarch 0.6 reports the loss of a whole host late or never (host_watch.py); the
+        trainer's restart respawns it on its own host, which a gone host cannot give."""
+        if not self.trainer_workers:
+            return
+
+        def lost(index: int, reason: str) -> None:
+            self.trainer_host_lost = True
+            on_lost(f"the trainer's host is gone: {reason}; run the same command again to "
+                    f"resume from the last checkpoint")
+
+        watch = HostWatch(self.trainer_workers, lost, interval_s=interval_s)
+        self._watches.append(asyncio.create_task(watch.run(), name="trainer-host-watch"))
 
     async def add_generator_host(self, index: int) -> Any:
         """The host for generator ``index``, added mid-run: a new one where the placement makes
@@ -276,6 +300,9 @@ class RunHosts:
                     f"{' '.join(str(e).split())[:300]}") from e
 
     async def close(self, timeout_s: float = 60.0) -> None:
+        for task in self._watches:
+            task.cancel()
+        await asyncio.gather(*self._watches, return_exceptions=True)
         try:
             for job in [self.job, *self.added_jobs]:
                 if job is not None:
@@ -325,6 +352,7 @@ async def _attach(c: Placement.Config) -> RunHosts:
                                    name="generators")
     hosts = RunHosts(trainer=trainer, generators=generators,
                      generators_per_host=c.generators_per_host,
+                     trainer_workers=c.workers[:c.trainer_hosts],
                      generator_workers=c.workers[c.trainer_hosts:])
     if not c.tls:
         await hosts.wait_up(f"placement.workers {c.workers}", c.host_timeout_s)

@@ -112,7 +112,9 @@ class RunParts:
         await _logged_close(getattr(self.task, "aclose", None))  # a task's server (AgentTask's)
         await _logged_close(self.workers.close if self.workers is not None else None)
         await asyncio.gather(_logged_close(self.generators.close),
-                             _logged_close(self.trainer.close))
+                             # a gone host's procs cannot answer a close: the job's end ends them
+                             _logged_close(None if self.hosts.trainer_host_lost
+                                           else self.trainer.close))
         await _logged_close(self.hosts.close)
 
 
