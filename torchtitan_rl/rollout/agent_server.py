@@ -403,7 +403,7 @@ async def _unless_disconnected(call: Any, receive: Any) -> tuple[int, dict[str, 
     Once the body is read, uvicorn's ``receive`` returns only at a disconnect (or after the
     response)."""
     answer = asyncio.ensure_future(call)
-    gone = asyncio.ensure_future(receive())
+    gone = asyncio.ensure_future(_disconnect(receive))
     try:
         await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -415,3 +415,9 @@ async def _unless_disconnected(call: Any, receive: Any) -> tuple[int, dict[str, 
     if answer.cancelled():
         raise _Disconnected
     return answer.result()
+
+
+async def _disconnect(receive: Any) -> None:
+    """Returns when the client has gone (``receive`` says ``http.disconnect``)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
