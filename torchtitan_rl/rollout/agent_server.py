@@ -240,6 +240,11 @@ class EpisodeServer:
             return
         if self.num_tcp_in_flight >= self.max_concurrent_requests:
             self.num_shed += 1
+            # The first in the log file; later ones only counted (an overload is many of them).
+            logger.log(logging.WARNING if self.num_shed == 1 else logging.DEBUG,
+                       "agent endpoint: %d TCP requests in flight (task.max_concurrent_"
+                       "requests): shedding with 503 (%d so far)", self.num_tcp_in_flight,
+                       self.num_shed)
             status, body = _error(503, f"the endpoint is serving {self.num_tcp_in_flight} "
                                        f"requests (task.max_concurrent_requests); retry after "
                                        f"{_SHED_RETRY_AFTER_S} s", code="overloaded")
