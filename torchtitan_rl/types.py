@@ -105,14 +105,6 @@ class Completion:
     finish_reason: FinishReason
     metrics: CompletionMetrics = dataclasses.field(default_factory=CompletionMetrics)
 
-    @property
-    def min_policy_version(self) -> int | None:
-        return min(self.token_policy_versions) if self.token_policy_versions else None
-
-    @property
-    def max_policy_version(self) -> int | None:
-        return max(self.token_policy_versions) if self.token_policy_versions else None
-
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class TrainingSample:

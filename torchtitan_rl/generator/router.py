@@ -188,9 +188,6 @@ class GeneratorRouter(Configurable):
         for mirror in self._mirrors:
             mirror.put_back(index, generator)
 
-    def forget_session(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
-
     # ---- the GenerateFn ------------------------------------------------------------------------
     async def __call__(self, request: GenerateRequest) -> Completion | None:
         while len(self._out) == len(self.generators):  # all lost: wait for a replacement

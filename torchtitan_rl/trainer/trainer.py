@@ -127,11 +127,6 @@ class PolicyTrainer(Actor, Configurable):
         return os.getpid()
 
     @concurrent_endpoint
-    async def get_policy_version(self) -> int:
-        """Optimizer steps taken: the policy version of the current weights."""
-        return self.core.policy_version
-
-    @concurrent_endpoint
     async def forward_backward(self, samples: list[TrainingSample],
                                batcher: Batcher.Config) -> dict[str, float]:
         return self.core.forward_backward_samples(samples, batcher)
@@ -146,11 +141,6 @@ class PolicyTrainer(Actor, Configurable):
     @concurrent_endpoint
     async def compute_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
         return self.core.compute_logprobs(batch)
-
-    @concurrent_endpoint
-    async def read_model_state_dict(self) -> dict[str, torch.Tensor]:
-        """torchtitan-named plain full tensors (collective over the trainer ranks)."""
-        return self.core.full_model_state_dict()
 
     @concurrent_endpoint
     async def push_weights(

@@ -12,19 +12,17 @@ import random
 
 
 class DataCursor:
-    def __init__(self, *, num_prompts: int, seed: int, shuffle: bool = True) -> None:
+    def __init__(self, *, num_prompts: int, seed: int) -> None:
         if num_prompts < 1:
             raise ValueError(f"the dataset has no prompts (num_prompts={num_prompts})")
         self.num_prompts = num_prompts
         self.seed = seed
-        self.shuffle = shuffle
         self._orders: dict[int, tuple[int, ...]] = {}  # the last few epochs' orders
 
     def _epoch_order(self, epoch: int) -> tuple[int, ...]:
         if epoch not in self._orders:
             order = list(range(self.num_prompts))
-            if self.shuffle:
-                random.Random(f"{self.seed}/epoch={epoch}").shuffle(order)
+            random.Random(f"{self.seed}/epoch={epoch}").shuffle(order)
             if len(self._orders) >= 4:
                 del self._orders[min(self._orders)]
             self._orders[epoch] = tuple(order)
@@ -36,6 +34,3 @@ class DataCursor:
             raise ValueError(f"group_id must be >= 0, got {group_id}")
         epoch, position = divmod(group_id, self.num_prompts)
         return self._epoch_order(epoch)[position]
-
-    def epoch_of(self, group_id: int) -> int:
-        return group_id // self.num_prompts
