@@ -36,7 +36,7 @@ LAYERS: list[list[str]] = [
     ["envs", "weight_sync", "metrics", "assets"],
     ["task"],
     ["rollout.message_env", "models", "tls"],
-    ["config", "types", "faults", "batched_calls", "threads"],
+    ["config", "types", "faults", "batched_calls", "threads", "monarch_failures"],
     ["console"],
 ]
 """Top to bottom: a unit may import its own modules and any unit of a lower layer, never one of

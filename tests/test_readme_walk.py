@@ -49,6 +49,7 @@ NOT_OPENED: dict[str, str] = {
     "torchtitan_rl.assets.make_model": "the base model's digest (a LoRA checkpoint)",
     "torchtitan_rl.weight_sync.lora_pull": "an adapter push (trainer.lora.push)",
     "torchtitan_rl.rollout.task_errors": "what a failing task is told (error paths)",
+    "torchtitan_rl.monarch_failures": "whether an error means a dead actor (error paths)",
     "torchtitan_rl.models": "the model, built once; its HF names for the push",
     # other settings than the main job's
     "torchtitan_rl.controller.rollout_workers": "rollouter.num_workers > 0",

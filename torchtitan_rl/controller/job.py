@@ -54,9 +54,9 @@ from torchtitan_rl.controller.trainer_restart import (
     restart_trainer,
 )
 from torchtitan_rl.generator import Generator
-from torchtitan_rl.generator.client import is_supervision_error
 from torchtitan_rl.generator.router import GeneratorRouter
 from torchtitan_rl.metrics.logger import MetricsLogger
+from torchtitan_rl.monarch_failures import is_supervision_error
 from torchtitan_rl.rollout.recorder import RolloutRecorder
 from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.rollout.token_env import chat_template_kwargs

@@ -33,7 +33,7 @@ from torchtitan_rl.controller.resolved_job import ResolvedJob
 from torchtitan_rl.controller.resume import continue_from
 from torchtitan_rl.controller.spawn import spawn_trainer_procs
 from torchtitan_rl.controller.supervision import MeshFailureWatch, TrainerLostError
-from torchtitan_rl.generator.client import is_supervision_error
+from torchtitan_rl.monarch_failures import is_supervision_error
 from torchtitan_rl.trainer.trainer import MonarchTrainerClient
 
 logger = logging.getLogger(__name__)

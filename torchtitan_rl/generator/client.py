@@ -32,6 +32,7 @@ from monarch.actor import Future, HostMesh, Port, ProcMesh, this_host
 
 from torchtitan_rl.batched_calls import BatchedCaller
 from torchtitan_rl.generator.generator import GenerateOutcome, Generator
+from torchtitan_rl.monarch_failures import is_supervision_error
 from torchtitan_rl.types import Completion, GenerateRequest
 from torchtitan_rl.weight_sync.push import WeightTransport
 
@@ -40,15 +41,6 @@ logger = logging.getLogger(__name__)
 
 class GeneratorLostError(RuntimeError):
     """The generator serving a request died; the request never finished (restart its group)."""
-
-
-_SUPERVISION_ERRORS = ("SupervisionError", "failure on mesh", "has already been stopped")
-
-
-def is_supervision_error(error: BaseException) -> bool:
-    """Whether ``error`` is Monarch's word that the actor it called is dead."""
-    text = f"{type(error).__name__}: {error}"
-    return any(marker in text for marker in _SUPERVISION_ERRORS)
 
 
 class GeneratorHandle:

@@ -395,7 +395,7 @@ class Checkpointer(Configurable):
             await self._write(trainer, state, directory)
         except Exception as e:
             shutil.rmtree(directory, ignore_errors=True)
-            from torchtitan_rl.generator.client import is_supervision_error  # imports Monarch
+            from torchtitan_rl.monarch_failures import is_supervision_error  # imports Monarch
 
             if is_supervision_error(e):  # the trainer died: the job restarts it
                 raise

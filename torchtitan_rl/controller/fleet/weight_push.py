@@ -31,8 +31,8 @@ from typing import TypeVar
 from monarch.actor import ActorError
 
 from torchtitan_rl.generator import GeneratorHandle, GeneratorLostError
-from torchtitan_rl.generator.client import is_supervision_error
 from torchtitan_rl.generator.router import GeneratorRouter
+from torchtitan_rl.monarch_failures import is_supervision_error
 from torchtitan_rl.trainer.trainer import TrainerClient
 
 logger = logging.getLogger(__name__)
