@@ -19,7 +19,6 @@ generator; both import it.
 """
 
 from torchtitan_rl.weight_sync.pull import (
-    WEIGHT_LOADS,
     WeightLoad,
     WeightPuller,
     read_hf_weights,
@@ -62,7 +61,6 @@ __all__ = [
     "plan_chunks",
     "relay_chunks",
     "send_chunks",
-    "WEIGHT_LOADS",
     "WEIGHT_TRANSPORTS",
     "PullTimings",
     "SharedMemoryStager",

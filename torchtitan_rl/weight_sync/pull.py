@@ -51,7 +51,7 @@ import logging
 import pathlib
 import sys
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn as nn
@@ -61,8 +61,8 @@ from torchtitan_rl.weight_sync.shared_memory import StagedWeights
 logger = logging.getLogger(__name__)
 
 WeightLoad = Literal["reload", "in_place"]
-"""How a pull writes into vLLM (``WeightSyncPolicy.load``)."""
-WEIGHT_LOADS: tuple[WeightLoad, ...] = ("reload", "in_place")
+"""How a pull writes into vLLM: ``WeightSyncPolicy.load`` (generator/config.py) once its "auto"
+is resolved at engine start."""
 
 # vLLM's merged Qwen3 projections -> the HF projections they hold, in output order.
 _MERGED = {
@@ -83,8 +83,9 @@ class WeightPuller:
                  repack_cpu_linears: bool = True, vllm_cpu_kernels: bool | None = None) -> None:
         """``vllm_cpu_kernels``: whether the engine computes with vLLM's packed CPU kernels
         (a reload then repacks a tied output head); None asks vLLM's platform."""
-        if load not in WEIGHT_LOADS:
-            raise ValueError(f"weight_sync.load must be one of {WEIGHT_LOADS}, got {load!r}")
+        if load not in get_args(WeightLoad):
+            raise ValueError(f"a resolved weight_sync.load is one of {get_args(WeightLoad)}, "
+                             f"got {load!r}")
         self.model_dir = pathlib.Path(model_dir)
         self.load = load
         self.repack_cpu_linears = repack_cpu_linears
