@@ -348,7 +348,7 @@ def test_generator_killed_mid_step_is_replaced_and_nothing_is_lost(tmp_path):
     # adapters alone, read back bit for bit like every push.
     metrics = read_metrics(run_dir)
     assert all(metrics[s]["weight_sync/num_mismatched_tensors"] == 0 for s in range(num_steps))
-    assert all(0 < metrics[s]["weight_sync/bytes"] < TINY_MODEL_BYTES / 2
+    assert all(0 < metrics[s]["weight_sync/model_bytes"] < TINY_MODEL_BYTES / 2
                for s in range(num_steps))
 
 
@@ -400,8 +400,11 @@ def test_non_finite_steps_never_reach_the_weights_and_too_many_in_a_row_fail_the
     skipped = metrics[1]
     assert skipped["trainer/skipped_step"] == 1 and skipped["trainer/num_skipped_steps"] == 1
     assert not any(key.startswith("weight_sync/") for key in skipped), "a skipped step pushed"
-    assert metrics[2]["trainer/skipped_step"] == 0 and metrics[2]["weight_sync/bytes"] > 0
+    assert metrics[2]["trainer/skipped_step"] == 0 and metrics[2]["weight_sync/model_bytes"] > 0
     assert metrics[3]["trainer/num_skipped_steps"] == 2
+    # a skipped step trained nothing, and is counted so (run_health.py)
+    assert [metrics[step]["run/step_trained"] for step in range(4)] == [1.0, 0.0, 1.0, 0.0]
+    assert [metrics[step]["run/steps_trained"] for step in range(4)] == [1.0, 1.0, 2.0, 2.0]
     # the weights after a skipped step are the weights before it, bit for bit
     before, after = _checkpoint_model(run_dir, 3), _checkpoint_model(run_dir, 4)
     assert before.keys() == after.keys()
