@@ -44,7 +44,7 @@ async def _time_pushes(trainer: Any, generator: Any, iters: int) -> tuple[float,
             generator, version, False, "shared_memory"))
         if version > 1:
             times.append(time.perf_counter() - start)
-        num_bytes = metrics["weight_sync/bytes"]
+        num_bytes = metrics["weight_sync/model_bytes"]
     return statistics.median(times), num_bytes
 
 

@@ -227,7 +227,7 @@ def figures(n: int, steps: list[dict], warmup_steps: int,
             s.get("rollout/controller_cpu_ms_per_turn", 0.0) for s in measured),
         turns_per_s=turns / generate_s, num_turns=turns, num_steps=len(measured),
         busiest_sender_bytes=mean("weight_sync/busiest_sender_bytes", "weight_sync/bytes_moved"),
-        model_bytes=mean("weight_sync/model_bytes", "weight_sync/bytes"),
+        model_bytes=mean("weight_sync/model_bytes"),
         # the median: on a shared 2-core box one push in a few waits for a core (0.04-1.3 s)
         push_s=statistics.median(s["time/sync_s"] for s in measured),
         step_s=(measured[-1]["bench/wall_s"] - wall0) / len(measured))

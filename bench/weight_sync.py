@@ -125,7 +125,7 @@ async def run(size: str, iters: int, num_threads: int) -> dict[tuple[str, str], 
                                 + m["weight_sync/generator_load_s"] for m in metrics]
             transport_s = [m["weight_sync/pull_s"] - cl for m, cl in zip(metrics, convert_and_load)]
             results[(transport, load)] = {
-                "bytes": metrics[0]["weight_sync/bytes"],
+                "bytes": metrics[0]["weight_sync/model_bytes"],
                 "sync_s": statistics.median(times),
                 "load_s": statistics.median(convert_and_load),
                 "handoff_s": statistics.median(transport_s),

@@ -58,7 +58,7 @@ def test_two_torchrun_ranks_train_with_fsdp_and_rank0_reports(tmp_path):
             assert math.isfinite(metrics[step][key]), (step, key, metrics[step])
         assert metrics[step]["loss/num_valid_tokens"] > 0
         assert metrics[step]["trainer/policy_version"] == step + 1
-        assert metrics[step]["weight_sync/bytes"] > 0  # rank 0 pushed to the generator
+        assert metrics[step]["weight_sync/model_bytes"] > 0  # rank 0 pushed to the generator
     assert latest_complete_checkpoint(run_dir / "checkpoints") is not None
     assert (run_dir / "hf" / "config.json").exists()
 

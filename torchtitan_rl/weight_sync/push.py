@@ -127,7 +127,7 @@ class WeightPusher:
             results = await pull_on_every_rank(generators, policy_version, hf_state_dict)
         timings = [t for t in results if t]
         metrics["weight_sync/pull_s"] = time.perf_counter() - sent
-        metrics["weight_sync/bytes"] = float(num_bytes(state_dict))
+        metrics["weight_sync/model_bytes"] = float(num_bytes(state_dict))
         for key in ("convert_s", "load_s"):
             if any(key in t for t in timings):
                 metrics[f"weight_sync/generator_{key}"] = max(t.get(key, 0.0) for t in timings)

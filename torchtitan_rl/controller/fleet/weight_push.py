@@ -85,7 +85,6 @@ class PushTotals:
         if self.num_verified:
             metrics["weight_sync/relayed_generators_verified"] = float(self.num_verified)
         metrics["weight_sync/model_bytes"] = self.model_bytes
-        metrics["weight_sync/bytes"] = self.model_bytes  # one push's payload, as a direct push logs it
         trainer_rank = self.busiest_trainer_rank + self.by_shared_memory_bytes
         metrics["weight_sync/busiest_trainer_rank_bytes"] = trainer_rank
         metrics["weight_sync/busiest_generator_bytes"] = self.busiest_generator
@@ -124,7 +123,7 @@ class WeightPush:
             metrics = await until_lost(generator, self.trainer.push_weights(generator, version))
             trainer_called = True
             self.totals.timings.update(metrics)
-            moved = metrics.get("weight_sync/bytes", 0.0)
+            moved = metrics.get("weight_sync/model_bytes", 0.0)
             self.totals.by_shared_memory(moved)
             await self._pulled(generator, version, moved)
         except Exception as e:
