@@ -113,9 +113,15 @@ def _assert_same_step(two: dict, one: dict) -> None:
 
 
 def _assert_same_plain_step(two: dict, one: dict) -> None:
+    # The mismatch metrics (sums and maxima reduced over ranks) too, by policy age and turn.
     for key in ("loss/value", "loss/ratio_mean", "loss/entropy_mean", "loss/num_valid_tokens",
-                "loss/generator_logprob_nan_frac", "loss/trainer_generator_abs_logprob_diff_max"):
+                "loss/generator_logprob_nan_frac", "loss/trainer_generator_abs_logprob_diff_max",
+                "mismatch/k1_token_mean", "mismatch/k3_token_mean", "mismatch/k3_token_max",
+                "mismatch/k1_seq_max", "mismatch/k3_seq_max", "mismatch/masked_token_frac",
+                "mismatch/masked_seq_frac", "mismatch/weight_mean", "mismatch/weight_max",
+                "mismatch/age_0/num_tokens", "mismatch/turn_0/k3_token_mean"):
         assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=1e-6), key
+    assert one["metrics"]["mismatch/masked_seq_frac"] > 0  # the default menu's mask bites
     assert two["metrics"]["loss/num_nan_generator_logprobs"] == 1
     assert set(two["grads"]) == set(one["grads"])
     for name, grad in one["grads"].items():
