@@ -78,7 +78,8 @@ SETTINGS_MAP: list[tuple[str, str]] = [
     ("sampling.max_tokens", "max_completion_length"),
     ("sampling.temperature / top_p / top_k (-1)", "temperature / top_p / top_k (0)"),
     ("trainer.optimizer.lr", "learning_rate (lr_scheduler_type constant)"),
-    ("trainer.lr_warmup_steps", "warmup_steps (constant_with_warmup)"),
+    ("trainer.lr_warmup_steps", "the trainer's LambdaLR of `warmup_factor` (HF's "
+     "constant_with_warmup would start one step later, at 0)"),
     ("trainer.optimizer.beta1 / beta2 / eps / weight_decay",
      "adam_beta1 / adam_beta2 / adam_epsilon / weight_decay (optim adamw_torch)"),
     ("trainer.max_grad_norm", "max_grad_norm"),
@@ -103,6 +104,9 @@ def trl_arguments(*, sampling: Any, rollouter: Any, trainer: Any, groups_per_ste
     key."""
     loss, opt = trainer.loss, trainer.optimizer
     refusals = {
+        "rollouter.max_turns": (rollouter.max_turns != 1,
+                                "GRPOTrainer's reward functions score one completion a prompt; "
+                                "its multi-turn interface is tool calling"),
         "rollouter.advantage": (rollouter.advantage != "grpo",
                                 "TRL's GRPOTrainer computes GRPO advantages only"),
         "rollouter.advantage_std": (rollouter.advantage_std not in ADVANTAGE_STD_TO_SCALE_REWARDS,
@@ -136,7 +140,6 @@ def trl_arguments(*, sampling: Any, rollouter: Any, trainer: Any, groups_per_ste
     for key, (refused, why) in refusals.items():
         if refused:
             raise ValueError(f"{key}: no TRL equivalent for this value ({why})")
-    warmup = trainer.lr_warmup_steps
     return {
         "num_generations": rollouter.group_size,
         "per_device_train_batch_size": groups_per_step * rollouter.group_size,
@@ -147,8 +150,7 @@ def trl_arguments(*, sampling: Any, rollouter: Any, trainer: Any, groups_per_ste
         "top_p": sampling.top_p,
         "top_k": 0 if sampling.top_k == -1 else sampling.top_k,
         "learning_rate": opt.lr,
-        "lr_scheduler_type": "constant_with_warmup" if warmup else "constant",
-        "warmup_steps": warmup,
+        "lr_scheduler_type": "constant",  # warm-up: `warmup_factor` (build_trl_trainer)
         "adam_beta1": opt.beta1,
         "adam_beta2": opt.beta2,
         "adam_epsilon": opt.eps,
@@ -175,6 +177,12 @@ def trl_arguments(*, sampling: Any, rollouter: Any, trainer: Any, groups_per_ste
         "report_to": "none",
         "disable_tqdm": True,
     }
+
+
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """The learning-rate factor of optimizer step ``step`` (0-based): ours' linear warm-up
+    (trainer.lr_warmup_steps), min(1, (step + 1) / warmup_steps); 0: none."""
+    return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
 
 
 def _off_policy_correction_on(loss: Any) -> bool:
@@ -292,6 +300,13 @@ def build_trl_trainer(plan: Any, *, model_dir: str, steps: int, seed: int, out: 
             self.bench_tokens.append(sum(len(c) for c in completion_ids))
             return completion_ids, logprobs
 
+        def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+            if self.lr_scheduler is None:  # ours' warm-up, to the step
+                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                    optimizer or self.optimizer,
+                    lambda step: warmup_factor(step, plan.trainer.lr_warmup_steps))
+            return self.lr_scheduler
+
         def _calculate_rewards(self, *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             rewards = super()._calculate_rewards(*args, **kwargs)
@@ -320,7 +335,8 @@ def build_trl_trainer(plan: Any, *, model_dir: str, steps: int, seed: int, out: 
 
 
 class PeakRss:
-    """Peak resident memory of a process and all its descendants together (sampled)."""
+    """Peak resident memory of a process and all its descendants together, and the box's mean
+    1-minute load average while it ran (both sampled)."""
 
     def __init__(self, pid: int, every_s: float = 0.2) -> None:
         import psutil
@@ -328,6 +344,7 @@ class PeakRss:
         self._root = psutil.Process(pid)
         self._every_s = every_s
         self.peak_bytes = 0
+        self.loads: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -347,6 +364,7 @@ class PeakRss:
                 except psutil.Error:
                     pass
             self.peak_bytes = max(self.peak_bytes, total)
+            self.loads.append(os.getloadavg()[0])
             self._stop.wait(self._every_s)
 
     def stop(self) -> float:
@@ -370,7 +388,8 @@ def run_measured(command: list[str], log: pathlib.Path, timeout_s: float | None 
             proc.terminate()
             rc = proc.wait()
         peak_mib = rss.stop()
-    return {"rc": rc, "wall_s": time.perf_counter() - start, "peak_rss_mib": peak_mib}
+    return {"rc": rc, "wall_s": time.perf_counter() - start, "peak_rss_mib": peak_mib,
+            "load": statistics.fmean(rss.loads or [os.getloadavg()[0]])}
 
 
 def last_line(log: pathlib.Path) -> str:
@@ -638,7 +657,8 @@ def summary_row(side: str, seed: int, run: dict, before: dict | None, after: dic
         "train_s": median_after_first(run["train_s"]),
         "tokens_per_s": sum(run["tokens"][1:]) / max(sum(run["step_s"][1:]), 1e-9),
         "generate_tokens_per_s": sum(run["tokens"][1:]) / max(sum(run["generate_s"][1:]), 1e-9),
-        "wall_s": run["wall_s"], "peak_rss_mib": run["peak_rss_mib"],
+        "wall_s": run["wall_s"], "peak_rss_mib": run["peak_rss_mib"], "load": run["load"],
+        "logprob_diff": run.get("logprob_diff"),
         "reward_before": before["reward_mean"] if before else float("nan"),
         "reward_after": after["reward_mean"] if after else float("nan"),
         "stderr_after": after["reward_stderr"] if after else float("nan"),
@@ -648,7 +668,7 @@ def summary_row(side: str, seed: int, run: dict, before: dict | None, after: dic
 def print_row(r: dict) -> None:
     print(f"{r['side']:<9} {r['seed']:>4} {r['step_s']:7.2f} {r['first_step_s']:7.2f} "
           f"{r['generate_s']:7.2f} {r['train_s']:7.2f} {r['tokens_per_s']:8.0f} "
-          f"{r['generate_tokens_per_s']:9.0f} {r['peak_rss_mib']:8.0f} {r['wall_s']:7.0f} {r['reward_before']:7.4f} "
+          f"{r['generate_tokens_per_s']:9.0f} {r['peak_rss_mib']:8.0f} {r['load']:5.1f} {r['wall_s']:7.0f} {r['reward_before']:7.4f} "
           f"{r['reward_after']:7.4f} {r['stderr_after']:7.4f}", flush=True)
 
 
@@ -693,26 +713,23 @@ def main() -> None:
                                         if k not in ("seed", "data_seed")), flush=True)
     eval_args = eval_options(args.job_args)
     print(f"{'side':<9} {'seed':>4} {'step_s':>7} {'first_s':>7} {'gen_s':>7} {'train_s':>7} "
-          f"{'tok/s':>8} {'gen_tok/s':>9} {'rss_MiB':>8} {'wall_s':>7} {'before':>7} "
+          f"{'tok/s':>8} {'gen_tok/s':>9} {'rss_MiB':>8} {'load':>5} {'wall_s':>7} {'before':>7} "
           f"{'after':>7} {'stderr':>7}", flush=True)
     rows = []
-    for seed in seeds:
+    for i, seed in enumerate(seeds):
         before = evaluate(args.config, model_dir, seed, out, f"eval_before_seed{seed}", eval_args)
-        ours = run_ours(args.config, model_dir, seed, args.steps, out, args.job_args)
-        row = summary_row("ours", seed, ours, before,
-                          evaluate(args.config, ours["hf"], seed, out, f"eval_ours_seed{seed}",
-                                   eval_args))
-        row["logprob_diff"] = ours["logprob_diff"]
-        rows.append(row)
-        print_row(row)
-        trl = run_trl(args.config, model_dir, seed, args.steps, out, args.job_args)
-        if "failed" in trl:
-            raise SystemExit(f"TRL (seed {seed}) failed: {trl['failed']}")
-        row = summary_row("trl", seed, trl, before,
-                          evaluate(args.config, trl["hf"], seed, out, f"eval_trl_seed{seed}",
-                                   eval_args))
-        rows.append(row)
-        print_row(row)
+        # ABBA order over the seeds: a box whose load drifts weighs on both sides alike
+        for side in ("ours", "trl") if i % 2 == 0 else ("trl", "ours"):
+            if side == "ours":
+                run = run_ours(args.config, model_dir, seed, args.steps, out, args.job_args)
+            else:
+                run = run_trl(args.config, model_dir, seed, args.steps, out, args.job_args)
+                if "failed" in run:
+                    raise SystemExit(f"TRL (seed {seed}) failed: {run['failed']}")
+            row = summary_row(side, seed, run, before, evaluate(
+                args.config, run["hf"], seed, out, f"eval_{side}_seed{seed}", eval_args))
+            rows.append(row)
+            print_row(row)
 
     check_dir = out / "loss_check"
     check_dir.mkdir(exist_ok=True)

@@ -12,6 +12,7 @@ import pytest
 
 from torchtitan_rl.controller.loop.data_cursor import DataCursor
 from torchtitan_rl.rollout.rollouter import Rollouter
+from torchtitan_rl.trainer.core import PolicyTrainerCore
 from torchtitan_rl.trainer.trainer import PolicyTrainer
 from torchtitan_rl.types import Sampling
 
@@ -30,7 +31,8 @@ vs_trl = _bench()
 
 def _parts(**trainer_changes):
     sampling = Sampling(max_tokens=12, temperature=0.7, top_p=0.9, top_k=-1)
-    rollouter = Rollouter.Config(group_size=8, advantage_std="none", drop_zero_std_groups=False)
+    rollouter = Rollouter.Config(group_size=8, max_turns=1, advantage_std="none",
+                                 drop_zero_std_groups=False)
     trainer = PolicyTrainer.Config()
     trainer = dataclasses.replace(
         trainer, optimizer=dataclasses.replace(trainer.optimizer, lr=1e-3, beta2=0.98, eps=1e-7,
@@ -54,7 +56,7 @@ def test_trl_arguments_carry_every_shared_setting() -> None:
     assert (args["temperature"], args["top_p"], args["top_k"]) == (0.7, 0.9, 0)
     assert (args["learning_rate"], args["adam_beta1"], args["adam_beta2"], args["adam_epsilon"],
             args["weight_decay"]) == (1e-3, 0.9, 0.98, 1e-7, 0.01)
-    assert args["lr_scheduler_type"] == "constant" and args["warmup_steps"] == 0
+    assert args["lr_scheduler_type"] == "constant"
     assert args["max_grad_norm"] == 1.0
     assert (args["loss_type"], args["epsilon"], args["epsilon_high"], args["beta"]) == (
         "dapo", 0.2, 0.2, 0.0)
@@ -79,17 +81,27 @@ def test_aggregations_map_to_the_loss_type_of_the_same_formula() -> None:
         _arguments(sampling, rollouter, other_norm)
 
 
-def test_warmup_and_clip_higher_and_sample_std_map() -> None:
-    sampling, rollouter, trainer = _parts(lr_warmup_steps=2)
+def test_warmup_factor_is_the_trainers_schedule() -> None:
+    for warmup in (0, 1, 2, 5):
+        trainer = PolicyTrainer.Config(lr_warmup_steps=warmup)
+        core = PolicyTrainerCore.__new__(PolicyTrainerCore)  # _lr_at reads config and lora only
+        core.config, core.lora = trainer, None
+        for step in range(7):
+            assert vs_trl.warmup_factor(step, warmup) * trainer.optimizer.lr == core._lr_at(step)
+    assert vs_trl.warmup_factor(0, 2) == 0.5  # HF's constant_with_warmup would give 0 here
+
+
+def test_clip_higher_and_sample_std_map() -> None:
+    sampling, rollouter, trainer = _parts()
     trainer = dataclasses.replace(trainer, loss=dataclasses.replace(trainer.loss, clip_high=0.28))
     args = _arguments(sampling, dataclasses.replace(rollouter, advantage_std="sample"), trainer)
-    assert (args["lr_scheduler_type"], args["warmup_steps"]) == ("constant_with_warmup", 2)
     assert (args["epsilon"], args["epsilon_high"]) == (0.2, 0.28)
     assert args["scale_rewards"] == "group"
 
 
 @pytest.mark.parametrize("key, change", [
     ("rollouter.drop_zero_std_groups", {"rollouter": {"drop_zero_std_groups": True}}),
+    ("rollouter.max_turns", {"rollouter": {"max_turns": 3}}),
     ("rollouter.advantage", {"rollouter": {"advantage": "rloo"}}),
     ("rollouter.advantage_std", {"rollouter": {"advantage_std": "population"}}),
     ("trainer.loss.policy_loss", {"loss": {"policy_loss": "cispo"}}),
