@@ -29,6 +29,7 @@ import dataclasses
 import json
 import logging
 import statistics
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
@@ -382,6 +383,8 @@ class TrainingLoop(Configurable):
             **parts.generators.metrics(),
             **self._worker_metrics(),
             "generator/groups_restarted_after_loss": float(self.num_groups_restarted),
+            # the controller's Python heap in pymalloc blocks (cheap; a long run's leak shows)
+            "controller/python_allocated_blocks": float(sys.getallocatedblocks()),
         }
         metrics.update(self.health.end_step(step, groups, num_samples=len(samples),
                                             skipped=skipped))

@@ -1,0 +1,218 @@
+"""A long asynchronous run, sampled: does anything grow that should not?
+
+    python bench/soak.py [--steps 1000] [--every 10] [--output-dir runs/soak] [-- train.py flags]
+
+The run: the asynchronous job on simulated hosts (placement.kind = "process": a trainer host and
+2 generator hosts, each push relayed from one to the other; S = 2, partial rollouts, 2 rollout
+workers), on a smaller model and shorter episodes than the main job's: the `tiny` model on the
+tests' letter task (tests/controller/tiny_letter_job.toml, 2 groups of 4 a step, 12 tokens a
+reply), which the untrained model scores on, so every step trains and pushes changed weights and
+1,000 steps take minutes, not hours (AlphabetSort gives the untrained tiny model no reward: every
+step would train nothing). Every ``--every`` steps it samples each process of the run (the
+controller and everything under it: the reaper, the simulated hosts, their procs, the rollout
+workers) for RSS, open file descriptors and threads; the controller's Python heap (its
+``controller/python_allocated_blocks`` metric, pymalloc blocks in use); the shared-memory
+segments the run's processes map (/dev/shm); the run folder's size, split into checkpoints
+(bounded by ``checkpoint.keep_last``) and logs (metrics, rollouts, the log file, TensorBoard:
+growing with the steps by design).
+
+Written to the output folder: ``soak_samples.jsonl`` (one line a sample), ``soak.png`` (each
+series over steps), the run folder. Printed: a table of each series at the first sample after
+warm-up and at the end, its growth per 100 steps over the steps after ``--warmup`` (a least-squares
+slope), and the last line
+
+    rss_mb=<per 100 steps> fds=<...> threads=<...> heap_blocks=<...> shm_segments=<...>
+    checkpoints_mb=<...> logs_mb=<...> flat=True|False
+
+flat: RSS grows < 1 % of its post-warm-up value per 100 steps; fds, threads and segments do not
+move after warm-up; the checkpoints' size is bounded (< 1 % growth per 100 steps); the heap grows
+< 1 % per 100 steps. The logs' growth is reported, not judged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import psutil
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CONFIG = "tests/controller/tiny_letter_job.toml"
+SOAK_FLAGS = [
+    "--placement.kind", "process", "--placement.generators_per_host", "1", "--num_generators", "2",
+    "--loop.staleness.max_staleness", "2", "--loop.partial_rollout", "abort",
+    "--rollouter.num_workers", "2", "--task.num_prompts", "64", "--loop.replace_dropped_groups", "0",
+    "--checkpoint.every_steps", "50", "--validation.num_prompts", "8",
+]
+SERIES = ("rss_mb", "fds", "threads", "heap_blocks", "shm_segments", "checkpoints_mb", "logs_mb")
+
+
+def _folder_mb(path: pathlib.Path) -> float:
+    total = 0
+    for file in path.rglob("*"):
+        try:
+            if file.is_file():
+                total += file.stat().st_size
+        except OSError:  # removed meanwhile (a checkpoint rotated out)
+            continue
+    return total / 2**20
+
+
+def _processes(root: psutil.Process) -> list[psutil.Process]:
+    try:
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _sample(root: psutil.Process, run_dir: pathlib.Path, step: int, heap_blocks: float) -> dict:
+    rss = fds = threads = 0
+    segments: set[str] = set()
+    procs = _processes(root)
+    for proc in procs:
+        try:
+            with proc.oneshot():
+                rss += proc.memory_info().rss
+                fds += proc.num_fds()
+                threads += proc.num_threads()
+            with open(f"/proc/{proc.pid}/maps") as maps:
+                segments.update(line.split()[-1] for line in maps if "/dev/shm/" in line)
+        except (psutil.NoSuchProcess, OSError):
+            continue
+    checkpoints = run_dir / "checkpoints"
+    return {
+        "step": step, "time": time.time(), "processes": len(procs), "rss_mb": rss / 2**20,
+        "fds": fds, "threads": threads, "heap_blocks": heap_blocks,
+        "shm_segments": len(segments),
+        "checkpoints_mb": _folder_mb(checkpoints) if checkpoints.exists() else 0.0,
+        "logs_mb": _folder_mb(run_dir) - (_folder_mb(checkpoints) if checkpoints.exists() else 0),
+    }
+
+
+def _slope_per_100(samples: list[dict], key: str) -> float:
+    xs = [s["step"] for s in samples]
+    ys = [s[key] for s in samples]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    return 100 * sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var if var else 0.0
+
+
+def _plot(samples: list[dict], path: pathlib.Path, warmup: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(SERIES), 1, figsize=(8, 2.0 * len(SERIES)), sharex=True)
+    steps = [s["step"] for s in samples]
+    for ax, key in zip(axes, SERIES):
+        ax.plot(steps, [s[key] for s in samples], marker=".", linewidth=1)
+        ax.axvline(warmup, color="grey", linestyle=":", linewidth=1)
+        ax.set_ylabel(key, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step (dotted: end of warm-up)")
+    fig.suptitle("bench/soak.py: the run's processes and folder over steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def _heap_blocks(metrics: pathlib.Path, offset: int, latest: dict[int, float]) -> tuple[int, int]:
+    """Read metrics.jsonl from ``offset``: the trained steps' heap figures into ``latest``;
+    returns (new offset, the newest trained step or -1)."""
+    newest = -1
+    with metrics.open() as f:
+        f.seek(offset)
+        for line in f:
+            if not line.endswith("\n"):
+                break  # a line still being written: read it next time
+            offset += len(line.encode())
+            record = json.loads(line)
+            if "time/step_s" in record:
+                newest = max(newest, record["step"])
+                latest[record["step"]] = record.get("controller/python_allocated_blocks", 0.0)
+    return offset, newest
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--every", type=int, default=10, help="sample every N steps")
+    parser.add_argument("--warmup", type=int, default=200,
+                        help="steps before the growth is judged (first checkpoints, caches)")
+    parser.add_argument("--output-dir", default="runs/soak")
+    parser.add_argument("train_args", nargs="*", help="more train.py flags (after --)")
+    args = parser.parse_args()
+    out = pathlib.Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    run_dir = out / "soak"
+    command = [sys.executable, "-m", "torchtitan_rl.train", "--config", CONFIG, "--name", "soak",
+               "--output_dir", str(out), "--loop.num_steps", str(args.steps),
+               "--checkpoint.overwrite", "true", *SOAK_FLAGS, *args.train_args]
+    console = (out / "soak.console.txt").open("w")
+    proc = subprocess.Popen(command, cwd=REPO, stdout=console, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    root = psutil.Process(proc.pid)
+    samples: list[dict] = []
+    heap: dict[int, float] = {}
+    offset, next_sample = 0, 0
+    started = time.monotonic()
+    try:
+        while proc.poll() is None:
+            time.sleep(0.5)  # polling the run's metrics file: it has no event to wait on
+            metrics = run_dir / "metrics.jsonl"
+            if not metrics.exists():
+                continue
+            offset, newest = _heap_blocks(metrics, offset, heap)
+            while newest >= next_sample:  # a sample per --every steps, taken as soon as seen
+                samples.append(_sample(root, run_dir, next_sample, heap.get(next_sample, 0.0)))
+                next_sample += args.every
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait()
+        console.close()
+    with (out / "soak_samples.jsonl").open("w") as f:
+        for sample in samples:
+            f.write(json.dumps(sample) + "\n")
+    if proc.returncode != 0 or not samples:
+        print(f"the run failed (exit {proc.returncode}): {out / 'soak.console.txt'}")
+        return 1
+    judged = [s for s in samples if s["step"] >= args.warmup] or samples
+    _plot(samples, out / "soak.png", args.warmup)
+    growth = {key: _slope_per_100(judged, key) for key in SERIES}
+    first = judged[0]
+    print(f"cpu: {_cpu()}; {args.steps} steps in {time.monotonic() - started:.0f} s; "
+          f"samples every {args.every} steps; judged from step {first['step']}")
+    print(f"{'series':<16}{'after warm-up':>15}{'end':>15}{'per 100 steps':>16}")
+    for key in SERIES:
+        print(f"{key:<16}{first[key]:>15.1f}{samples[-1][key]:>15.1f}{growth[key]:>+16.3f}")
+
+    def within(key: str, fraction: float) -> bool:
+        return growth[key] < fraction * max(first[key], 1e-9)
+
+    steady = all(max(s[k] for s in judged) == min(s[k] for s in judged)
+                 for k in ("fds", "threads", "shm_segments"))
+    flat = (steady and within("rss_mb", 0.01) and within("heap_blocks", 0.01)
+            and within("checkpoints_mb", 0.01))
+    print(" ".join(f"{key}={growth[key]:+.3f}" for key in SERIES) + f" flat={flat}")
+    return 0
+
+
+def _cpu() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
