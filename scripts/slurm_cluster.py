@@ -39,8 +39,10 @@ import time
 
 DEFAULT_DIR = pathlib.Path("/tmp/torchtitan_rl_slurm")
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
-CTLD_PORT = 6817
-SLURMD_BASE_PORT = 6821
+PORT = 6817
+"""slurmctld's port; the nodes' slurmd take the next ones (PORT + i)."""
+ADDRESS = 10
+"""Node i's address is 127.0.0.<ADDRESS + i>."""
 PARTITION = "debug"
 
 
@@ -52,10 +54,6 @@ def node_name(index: int) -> str:
     return f"node{index}"
 
 
-def node_address(index: int) -> str:
-    return f"127.0.0.{10 + index}"
-
-
 @dataclasses.dataclass
 class Cluster:
     """The cluster in ``directory``; ``procs`` holds the daemons this process started (a
@@ -63,6 +61,11 @@ class Cluster:
 
     directory: pathlib.Path = DEFAULT_DIR
     num_nodes: int = 3
+    port: int = PORT
+    """slurmctld's port; node i's slurmd listens on port + i (two clusters need other ports)."""
+    address: int = ADDRESS
+    """Node i's address is 127.0.0.<address + i> (Monarch's worker port is the same on every
+    node: two clusters need other addresses)."""
     procs: dict[str, subprocess.Popen] = dataclasses.field(default_factory=dict)
 
     # ---- paths ----
@@ -88,6 +91,9 @@ class Cluster:
 
     def node_names(self) -> list[str]:
         return [node_name(i) for i in range(1, self.num_nodes + 1)]
+
+    def node_address(self, index: int) -> str:
+        return f"127.0.0.{self.address + index}"
 
     # ---- up ----
     def up(self, *, detach: bool) -> None:
@@ -141,12 +147,12 @@ class Cluster:
         (d / "munge" / "munge.key").write_bytes(secrets.token_bytes(128))
         os.chmod(d / "munge" / "munge.key", 0o400)
         hosts = ["127.0.0.1 localhost", f"127.0.0.1 {host}"]
-        hosts += [f"{node_address(i)} {node_name(i)}" for i in range(1, self.num_nodes + 1)]
+        hosts += [f"{self.node_address(i)} {node_name(i)}" for i in range(1, self.num_nodes + 1)]
         self.hosts_file.write_text("\n".join(hosts) + "\n")
         lines = [
             "ClusterName=torchtitan_rl",
             f"SlurmctldHost={host}(127.0.0.1)",
-            f"SlurmctldPort={CTLD_PORT}",
+            f"SlurmctldPort={self.port}",
             "SlurmUser=root",
             "SlurmdUser=root",
             "AuthType=auth/munge",
@@ -176,7 +182,7 @@ class Cluster:
         ]
         for i in range(1, self.num_nodes + 1):
             lines.append(f"NodeName={node_name(i)} NodeHostname={node_name(i)} "
-                         f"NodeAddr={node_address(i)} Port={SLURMD_BASE_PORT + i - 1} "
+                         f"NodeAddr={self.node_address(i)} Port={self.port + i} "
                          f"CPUs=1 RealMemory=1000 State=UNKNOWN")
         lines.append(f"PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
@@ -342,12 +348,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("node", nargs="?", help="kill-node, start-node: the node's name")
     parser.add_argument("--dir", type=pathlib.Path, default=DEFAULT_DIR)
     parser.add_argument("--nodes", type=int, default=3, help="slurmd nodes (up; default 3)")
+    parser.add_argument("--port", type=int, default=PORT,
+                        help="slurmctld's port; node i's slurmd takes port + i (up)")
+    parser.add_argument("--address", type=int, default=ADDRESS,
+                        help="node i's address is 127.0.0.<address + i> (up)")
     argv = sys.argv[1:] if argv is None else argv
     cmd = argv[argv.index("--") + 1:] if "--" in argv else []
     a = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if a.nodes < 2:
         parser.error("--nodes must be >= 2")
-    cluster = Cluster(a.dir, a.nodes)
+    cluster = Cluster(a.dir, a.nodes, a.port, a.address)
     try:
         if a.command == "up":
             cluster.up(detach=True)

@@ -49,7 +49,10 @@ def slurm_cluster(tmp_path_factory):
         if os.environ.get("CI"):
             pytest.fail(f"CI must run the Slurm tests: {e}")
         pytest.skip(f"no Slurm cluster on this machine: {e}")
-    cluster = slurm_cluster.Cluster(tmp_path_factory.mktemp("slurm"), num_nodes=4)
+    # ports and addresses of its own: a cluster started by hand (scripts/slurm_cluster.sh up,
+    # the defaults) may be up on this machine meanwhile
+    cluster = slurm_cluster.Cluster(tmp_path_factory.mktemp("slurm"), num_nodes=4, port=6917,
+                                    address=30)
     cluster.up(detach=False)
     try:
         yield cluster
