@@ -146,6 +146,23 @@ def test_a_dataset_config_reasoning_gym_would_refuse_is_caught_by_the_config(
     assert str(e.value) == message
 
 
+def test_every_datasets_own_defaults_pass_the_check() -> None:
+    """No false refusals: each field of each dataset set to its own default, as a TOML table
+    would write it (tuples as lists), passes (rearc's diff_ub is annotated int, defaults 0.2)."""
+    import dataclasses
+
+    for name in rg_task.import_reasoning_gym().factory.DATASETS:
+        if name == "composite":  # a mix of datasets, not one: the task's datasets list is that
+            continue
+        for field, (_, default) in rg_task.dataset_fields(name).items():
+            if default is dataclasses.MISSING or default is None:
+                continue  # TOML has no None
+            value = list(default) if isinstance(default, tuple) else default
+            rg_task.check_dataset_config(name, {field: value}, "config")
+    with pytest.raises(ValueError, match=r"config.min_words: expected int, got 2.5 \(float\)"):
+        rg_task.check_dataset_config("word_sequence_reversal", {"min_words": 2.5}, "config")
+
+
 def test_a_misspelt_dataset_field_stops_the_command_in_one_line_before_a_run_folder(
         tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     from torchtitan_rl.train import cli

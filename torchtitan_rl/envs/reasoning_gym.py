@@ -98,8 +98,9 @@ def dataset_fields(name: str) -> dict[str, tuple[Any, Any]]:
 
 def check_dataset_config(name: str, config: dict[str, Any], key: str) -> None:
     """Raise ValueError naming ``key`` when reasoning-gym would refuse ``config`` for dataset
-    ``name``: a field its config dataclass lacks ("did you mean"), a value of another type, or a
-    value its own ``validate()`` rejects (its assertion's message)."""
+    ``name``: a field its config dataclass lacks ("did you mean"), a value of neither the field's
+    type nor its default's (some datasets annotate ``int`` and default to a float), or a value
+    its own ``validate()`` rejects (its assertion's message)."""
     fields = dataset_fields(name)
     for field, value in config.items():
         if field not in fields:
@@ -108,8 +109,9 @@ def check_dataset_config(name: str, config: dict[str, Any], key: str) -> None:
             raise ValueError(f"{key}: {name} has no config field {field!r}; {hint}its fields: "
                              f"{', '.join(fields) or 'none'} (python -m "
                              f"torchtitan_rl.envs.reasoning_gym --fields {name})")
-        expected = fields[field][0]
-        if not _is_instance(value, expected):
+        expected, default = fields[field]
+        if not (_is_instance(value, expected)
+                or isinstance(default, float) and _is_instance(value, float)):
             raise ValueError(f"{key}.{field}: expected {_type_name(expected)}, got {value!r} "
                              f"({type(value).__name__})")
     config_cls = import_reasoning_gym().factory.DATASETS[name][1]
