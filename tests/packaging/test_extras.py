@@ -146,9 +146,11 @@ def test_package_imports_only_torch_free_monarch_modules() -> None:
     # monarch's libtorch-linked modules check that the runtime torch equals the one they were built
     # against (monarch.gradient, monarch.common.tensor/_C, the tensor engine). This package imports
     # only monarch.actor, monarch.spmd and monarch.job, which load no libtorch, and the Rust config
-    # bindings monarch.actor loads anyway (torchtitan_rl/tls.py reloads the TLS settings).
+    # bindings monarch.actor loads anyway (torchtitan_rl/tls.py reloads the TLS settings;
+    # torchtitan_rl/monarch_failures.py knows SupervisionError by type).
     allowed = {"monarch.actor", "monarch.spmd", "monarch.job", "monarch.job.kubernetes",
-               "monarch._rust_bindings.monarch_hyperactor.config"}
+               "monarch._rust_bindings.monarch_hyperactor.config",
+               "monarch._rust_bindings.monarch_hyperactor.supervision"}
     pattern = re.compile(r"^\s*(?:from\s+(monarch[\w.]*)\s+import|import\s+(monarch[\w.]*))", re.M)
     seen: set[str] = set()
     for path in (REPO_ROOT / "torchtitan_rl").rglob("*.py"):
@@ -163,7 +165,8 @@ def test_monarch_modules_used_load_no_libtorch() -> None:
     # In a fresh interpreter: monarch.job imports flask, whose LocalProxy objects break vLLM's
     # kernel rebinding for every later engine built in the same process (the test session's).
     code = ("import sys, monarch.actor, monarch.job, monarch.spmd, "
-            "monarch._rust_bindings.monarch_hyperactor.config; "
+            "monarch._rust_bindings.monarch_hyperactor.config, "
+            "monarch._rust_bindings.monarch_hyperactor.supervision; "
             "print(sorted(m for m in ('monarch.common._C', 'monarch.gradient', 'torch') "
             "if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
