@@ -24,9 +24,9 @@ slope), and the last line
     rss_mb=<per 100 steps> fds=<...> threads=<...> heap_blocks=<...> shm_segments=<...>
     checkpoints_mb=<...> logs_mb=<...> flat=True|False
 
-flat: RSS grows < 1 % of its post-warm-up value per 100 steps; fds, threads and segments do not
-move after warm-up; the checkpoints' size is bounded (< 1 % growth per 100 steps); the heap grows
-< 1 % per 100 steps. The logs' growth is reported, not judged.
+flat: RSS grows < 1 % of its post-warm-up value per 100 steps; fds, threads and segments never
+rise above their post-warm-up count; the checkpoints' size is bounded (< 1 % growth per 100
+steps); the heap grows < 1 % per 100 steps. The logs' growth is reported, not judged.
 """
 
 from __future__ import annotations
@@ -196,8 +196,8 @@ def main() -> int:
     def within(key: str, fraction: float) -> bool:
         return growth[key] < fraction * max(first[key], 1e-9)
 
-    steady = all(max(s[k] for s in judged) == min(s[k] for s in judged)
-                 for k in ("fds", "threads", "shm_segments"))
+    # never above their first value after warm-up (a file closed later is no leak)
+    steady = all(max(s[k] for s in judged) <= first[k] for k in ("fds", "threads", "shm_segments"))
     flat = (steady and within("rss_mb", 0.01) and within("heap_blocks", 0.01)
             and within("checkpoints_mb", 0.01))
     print(" ".join(f"{key}={growth[key]:+.3f}" for key in SERIES) + f" flat={flat}")

@@ -109,6 +109,44 @@ def test_three_step_sync_run_logs_finite_metrics_tensorboard_and_checkpoints(uni
 
 
 @pytest.mark.slow
+def test_the_run_writes_its_timeline_for_perfetto(uninterrupted_run):
+    """trace.json (metrics/trace.py) in the Trace Event Format Perfetto and chrome://tracing
+    read: valid JSON once closed; the controller's tracks named; every step's wait, train and
+    push in order without overlap; validations and checkpoints; each routed request one async
+    slice on its generator's track, as many as the router counted."""
+    run_dir, _ = uninterrupted_run
+    events = json.loads((run_dir / "trace.json").read_text())
+    assert isinstance(events, list) and events[-1]["name"] == "trace_end"
+    for event in events:
+        assert event["ph"] in ("M", "X", "b", "e") and isinstance(event["pid"], int)
+        assert event["ph"] == "M" or event["ts"] >= 0
+    names = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and "args" in e
+             and e["name"] in ("process_name", "thread_name")}
+    assert {(1, "controller"), (1, "steps"), (1, "staleness gate"), (100, "generator_0")} <= names
+    steps = [e for e in events if e["ph"] == "X" and e["name"] in
+             ("wait for batch", "train", "push")]
+    assert [(e["args"]["step"], e["name"]) for e in steps] == [
+        (step, name) for step in range(3) for name in ("wait for batch", "train", "push")]
+    for before, after in zip(steps, steps[1:]):  # one step's phases follow each other
+        assert before["ts"] + before["dur"] <= after["ts"] + 0.2
+    spans = [e for e in events if e["ph"] == "X"]
+    assert [e["args"]["step"] for e in spans if e["name"] == "validation"] == [0, 3]
+    assert [e["args"]["step"] for e in spans if e["name"] == "checkpoint"] == [1, 2, 3]
+    assert len([e for e in spans if e["name"] == "admit"]) == 3 * 2  # one per group
+    begins = [e for e in events if e["ph"] == "b"]
+    ends = {e["id"]: e for e in events if e["ph"] == "e"}
+    assert len(ends) == len(begins) and all(ends[b["id"]]["ts"] >= b["ts"] for b in begins)
+    assert {b["pid"] for b in begins} == {100}
+    assert all(b["args"]["key"].startswith("group=") for b in begins)  # the request's id
+    # routed by step 2's metrics: the first validation and the 3 steps' requests; then the last
+    # validation's, as many as the first's (one request a single-turn rollout)
+    routed = read_metrics(run_dir)[2]["router/generator_0/num_routed"]
+    validation_rollouts = (run_dir / "rollouts" / "validation.jsonl").read_text().count("\n")
+    assert len(begins) == routed + validation_rollouts // 2
+    assert all(b["args"]["outcome"] == "done" for b in begins)
+
+
+@pytest.mark.slow
 def test_a_run_resumed_from_its_step_2_checkpoint_repeats_step_3_bit_for_bit(
         uninterrupted_run, tmp_path, caplog):
     """The uninterrupted run's folder with one bit of its step-3 checkpoint's largest trainer

@@ -116,6 +116,10 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
             await trainer_procs.stop()
         await hosts.close()
         raise
+    metrics = plan.metrics.build(run_dir=run_dir, purge_step=resume_step,
+                                 run_config=checkpointer.job_config)
+    if pool.router is not None:
+        pool.router.trace = metrics.trace if metrics.trace.enabled else None
     return RunParts(
         task=task,
         tokenizer=tokenizer,
@@ -129,8 +133,7 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
         hosts=hosts,
         validator=validator,
         checkpointer=checkpointer,
-        metrics=plan.metrics.build(run_dir=run_dir, purge_step=resume_step,
-                                   run_config=checkpointer.job_config),
+        metrics=metrics,
         recorder=plan.recorder.build(run_dir=run_dir),
         workers=workers,
     )

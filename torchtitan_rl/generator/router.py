@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.metrics.trace import GENERATOR_PID, RunTrace
 from torchtitan_rl.types import Completion, GenerateFn, GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,8 @@ class GeneratorRouter(Configurable):
         self._round_robin = itertools.cycle(range(len(generators)))
         self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._mirrors: list[RouterMirror] = []
+        self.trace: RunTrace | None = None
+        """Each request's life on its generator's track (metrics/trace.py), when set."""
 
     def add_mirror(self, mirror: RouterMirror) -> None:
         """Tell ``mirror`` every later set_syncing / take_out / put_back."""
@@ -198,11 +201,19 @@ class GeneratorRouter(Configurable):
         self.busy_clock.enter()
         logger.debug("route %s (session %s) -> generator %d", request.request_id,
                      request.session_id, index)
+        start = time.perf_counter()
+        outcome = "error"
         try:
-            return await self.generators[index](request)
+            completion = await self.generators[index](request)
+            outcome = "done" if completion is not None else "aborted"
+            return completion
         finally:
             self.inflight_requests[index] -= 1
             self.busy_clock.exit()
+            if self.trace is not None:
+                self.trace.async_span("request", "request", request.request_id, start,
+                                      time.perf_counter(), pid=GENERATOR_PID + index,
+                                      outcome=outcome)
 
     def metrics(self) -> dict[str, float]:
         return {f"router/generator_{i}/num_routed": float(n) for i, n in enumerate(self.num_routed)}

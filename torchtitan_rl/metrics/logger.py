@@ -1,7 +1,9 @@
-"""Per-step metrics: the trackers of `backends` (metrics/sinks.py), a JSONL copy, and a
-reward-curve PNG at the end.
+"""Per-step metrics: the trackers of `backends` (metrics/sinks.py), a JSONL copy, and the run's
+timeline (metrics/trace.py). Nothing is kept in memory per step (a long run stays flat:
+bench/soak.py).
 
     controller loop --log(step, metrics)--> every open sink, metrics.jsonl, one INFO line
+                    --trace.span(...)-->    the run's timeline, trace.json (metrics/trace.py)
                     --close()-->            every sink closed (a failing one dropped, warned once)
 
 Keys are `area/component/name` (e.g. `rollout_reward/mean`, `loss/clipped_frac`, `time/generate_s`).
@@ -29,6 +31,7 @@ from torchtitan_rl.metrics.sinks import (
     WandbSink,
     check_backends,
 )
+from torchtitan_rl.metrics.trace import RunTrace
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,8 @@ class MetricsLogger(Configurable):
         """Also append every step's metrics to `<run_dir>/metrics.jsonl`."""
         log_every_steps: int = 1
         """Log one key=value INFO line every this many steps."""
+        trace: RunTrace.Config = dataclasses.field(default_factory=RunTrace.Config)
+        """The run's timeline (metrics/trace.py): `<run_dir>/trace.json` for Perfetto."""
 
         def __post_init__(self) -> None:
             if self.log_every_steps < 1:
@@ -64,7 +69,6 @@ class MetricsLogger(Configurable):
         self.run_dir = pathlib.Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.num_nonfinite = 0
-        self._history: dict[str, list[tuple[int, float]]] = {}
         context = SinkContext(run_dir=self.run_dir, run_name=self.run_dir.name,
                               run_config=run_config or {}, purge_step=purge_step)
         self.sinks: dict[str, MetricSink] = {}
@@ -73,13 +77,11 @@ class MetricsLogger(Configurable):
             if sink is not None:
                 self.sinks[name] = sink
         self._jsonl = JsonlLog(self.run_dir / "metrics.jsonl") if config.jsonl else None
+        self.trace = config.trace.build(run_dir=self.run_dir)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         scalars = {key: float(value) for key, value in metrics.items()}
-        for key, value in scalars.items():
-            if not math.isfinite(value):
-                self.num_nonfinite += 1
-            self._history.setdefault(key, []).append((step, value))
+        self.num_nonfinite += sum(not math.isfinite(value) for value in scalars.values())
         for name, sink in list(self.sinks.items()):
             self._guarded(name, f"step {step}", sink.log, step, scalars)
         if self._jsonl is not None:  # a full disk: RecordWriteError, the run stops in one line
@@ -89,37 +91,13 @@ class MetricsLogger(Configurable):
                 f"{k}={_fmt(v)}" for k, v in sorted(metrics.items())
             ))
 
-    def history(self, key: str) -> list[tuple[int, float]]:
-        return list(self._history.get(key, []))
-
-    def plot(self, keys: list[str], path: pathlib.Path, title: str = "") -> pathlib.Path | None:
-        """A PNG of the given keys over steps (the ones that were logged)."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        series = {k: self._history[k] for k in keys if self._history.get(k)}
-        if not series:
-            return None
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for key, points in series.items():
-            ax.plot([s for s, _ in points], [v for _, v in points], marker="o", label=key)
-        ax.set_xlabel("step")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return path
-
     def close(self) -> None:
         for name, sink in list(self.sinks.items()):
             self._guarded(name, "close", sink.close)
         self.sinks.clear()
         if self._jsonl is not None:
             self._jsonl.close()
+        self.trace.close()
 
     def _open_sink(self, name: str, context: SinkContext) -> MetricSink:
         if name == "tensorboard":

@@ -281,8 +281,12 @@ class TrainingLoop(Configurable):
     async def _produce(self) -> None:
         # Until cancelled at the run's end: a group replaced late (dynamic sampling) frees a slot.
         total_groups = self.config.num_steps * self.config.groups_per_step
+        trace = self.parts.metrics.trace
         while True:
+            waited = trace.now()
             group_id, version = await self.gate.admit(limit=total_groups)
+            trace.span("staleness gate", "admit", waited, trace.now(), group=group_id,
+                       version=version)
             self._launch(group_id, version)
 
     def _launch(self, group_id: int, version: int) -> None:
@@ -394,6 +398,10 @@ class TrainingLoop(Configurable):
         if "rollout_reward/mean" in metrics:
             state.reward_history.append((step, metrics["rollout_reward/mean"]))
         parts.metrics.log(step, metrics)
+        trace = parts.metrics.trace
+        trace.span("steps", "wait for batch", start, train_start, step=step, groups=len(taken))
+        trace.span("steps", "train", train_start, push_start, step=step, samples=len(samples))
+        trace.span("steps", "push", push_start, end, step=step, version=version)
         parts.recorder.maybe_record(step, groups, parts.tokenizer)
         if self.progress is not None:
             self._postfix = {
@@ -412,6 +420,8 @@ class TrainingLoop(Configurable):
             await parts.checkpointer.save(parts.trainer, state)
             self.num_checkpoints += 1
             self.wall_s["checkpoints"] += time.perf_counter() - checkpoint_start
+            parts.metrics.trace.span("steps", "checkpoint", checkpoint_start,
+                                     time.perf_counter(), step=version)
             maybe_kill("kill_controller_after_checkpoints", self.num_checkpoints)
         self._cpu_mark = time.process_time()  # metrics, validation, checkpoints: not rollouts
 
@@ -513,6 +523,8 @@ class TrainingLoop(Configurable):
                     result.reward_mean, result.reward_stderr, result.num_rollouts, per_turn,
                     extra=CONSOLE)
         self.wall_s["validation"] += time.perf_counter() - start
+        parts.metrics.trace.span("steps", "validation", start, time.perf_counter(), step=step,
+                                 reward=result.reward_mean)
 
     def _check_task_errors(self, where: str, errors: list[str], num_rollouts: int) -> None:
         """Stop the run when too many rollouts failed in the task's code; else one warning."""
