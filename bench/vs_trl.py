@@ -601,12 +601,18 @@ def evaluate(config: str, model_dir: pathlib.Path | str, seed: int, out: pathlib
 
 
 def eval_options(job_args: list[str]) -> list[str]:
-    """The ``--validation.*`` / ``--task.num_validation_episodes`` pairs of ``job_args`` (the
-    options the eval takes too)."""
-    keep = []
-    for key, value in zip(job_args[::2], job_args[1::2]):
-        if key.startswith("--validation.") or key == "--task.num_validation_episodes":
-            keep += [key, value]
+    """The options of ``job_args`` that the eval takes too (torchtitan_rl.eval.options: the
+    episodes, their sampling, the rollout limits, the engine), as ``--key value`` or
+    ``--key=value``."""
+    from torchtitan_rl.eval.options import uses
+
+    keep, i = [], 0
+    while i < len(job_args):
+        token = job_args[i]
+        option = [token] if "=" in token else job_args[i:i + 2]
+        if uses(token.removeprefix("--").split("=", 1)[0]):
+            keep += option
+        i += len(option)
     return keep
 
 
@@ -658,6 +664,8 @@ def summary_row(side: str, seed: int, run: dict, before: dict | None, after: dic
         "tokens_per_s": sum(run["tokens"][1:]) / max(sum(run["step_s"][1:]), 1e-9),
         "generate_tokens_per_s": sum(run["tokens"][1:]) / max(sum(run["generate_s"][1:]), 1e-9),
         "wall_s": run["wall_s"], "peak_rss_mib": run["peak_rss_mib"], "load": run["load"],
+        # everything but the steps: start-up (procs, engine, model), export, shut-down
+        "other_s": run["wall_s"] - sum(run["step_s"]),
         "logprob_diff": run.get("logprob_diff"),
         "reward_before": before["reward_mean"] if before else float("nan"),
         "reward_after": after["reward_mean"] if after else float("nan"),
@@ -665,11 +673,21 @@ def summary_row(side: str, seed: int, run: dict, before: dict | None, after: dic
     }
 
 
+COLUMNS = ("side", "seed", "step_s", "first_s", "gen_s", "train_s", "tok/s", "gen_tok/s",
+           "rss_MiB", "load", "wall_s", "other_s", "before", "after", "stderr")
+"""The table's columns (`print_row`): median seconds a step after the first, the first step, its
+generation (and scoring) and training shares; generated tokens per second of step and of
+generation; peak RSS of the process tree; mean 1-minute load average; the run's wall time and
+what of it is not steps; held-out reward before, after and its standard error."""
+
+
 def print_row(r: dict) -> None:
-    print(f"{r['side']:<9} {r['seed']:>4} {r['step_s']:7.2f} {r['first_step_s']:7.2f} "
-          f"{r['generate_s']:7.2f} {r['train_s']:7.2f} {r['tokens_per_s']:8.0f} "
-          f"{r['generate_tokens_per_s']:9.0f} {r['peak_rss_mib']:8.0f} {r['load']:5.1f} {r['wall_s']:7.0f} {r['reward_before']:7.4f} "
-          f"{r['reward_after']:7.4f} {r['stderr_after']:7.4f}", flush=True)
+    values = (r["side"], r["seed"], f"{r['step_s']:.2f}", f"{r['first_step_s']:.2f}",
+              f"{r['generate_s']:.2f}", f"{r['train_s']:.2f}", f"{r['tokens_per_s']:.0f}",
+              f"{r['generate_tokens_per_s']:.0f}", f"{r['peak_rss_mib']:.0f}", f"{r['load']:.1f}",
+              f"{r['wall_s']:.0f}", f"{r['other_s']:.0f}", f"{r['reward_before']:.4f}",
+              f"{r['reward_after']:.4f}", f"{r['stderr_after']:.4f}")
+    print(" ".join(f"{v!s:>9}" for v in values), flush=True)
 
 
 def main() -> None:
@@ -712,9 +730,7 @@ def main() -> None:
     print("TRL arguments: " + " ".join(f"{k}={v}" for k, v in mapped.items()
                                         if k not in ("seed", "data_seed")), flush=True)
     eval_args = eval_options(args.job_args)
-    print(f"{'side':<9} {'seed':>4} {'step_s':>7} {'first_s':>7} {'gen_s':>7} {'train_s':>7} "
-          f"{'tok/s':>8} {'gen_tok/s':>9} {'rss_MiB':>8} {'load':>5} {'wall_s':>7} {'before':>7} "
-          f"{'after':>7} {'stderr':>7}", flush=True)
+    print(" ".join(f"{c:>9}" for c in COLUMNS), flush=True)
     rows = []
     for i, seed in enumerate(seeds):
         before = evaluate(args.config, model_dir, seed, out, f"eval_before_seed{seed}", eval_args)

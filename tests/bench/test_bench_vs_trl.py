@@ -144,3 +144,10 @@ def test_bench_installs_the_pin_of_the_bench_extra() -> None:
     with open(REPO_ROOT / "pyproject.toml", "rb") as f:
         extras = tomllib.load(f)["project"]["optional-dependencies"]
     assert extras["bench"] == [vs_trl.TRL_REQUIREMENT]
+
+
+def test_eval_gets_the_job_options_eval_takes() -> None:
+    job_args = ["--task.max_turns", "1", "--rollouter.max_turns=1", "--trainer.optimizer.lr",
+                "1e-4", "--validation.num_prompts", "64", "--loop.groups_per_step=8"]
+    assert vs_trl.eval_options(job_args) == ["--task.max_turns", "1", "--rollouter.max_turns=1",
+                                             "--validation.num_prompts", "64"]
