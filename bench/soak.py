@@ -73,12 +73,14 @@ def _processes(root: psutil.Process) -> list[psutil.Process]:
 def _sample(root: psutil.Process, run_dir: pathlib.Path, step: int, heap_blocks: float) -> dict:
     rss = fds = threads = 0
     segments: set[str] = set()
+    fds_by_process: dict[str, int] = {}
     procs = _processes(root)
     for proc in procs:
         try:
             with proc.oneshot():
                 rss += proc.memory_info().rss
-                fds += proc.num_fds()
+                fds_by_process[f"{proc.pid} {proc.name()}"] = proc.num_fds()
+                fds += fds_by_process[f"{proc.pid} {proc.name()}"]
                 threads += proc.num_threads()
             with open(f"/proc/{proc.pid}/maps") as maps:
                 segments.update(line.split()[-1] for line in maps if "/dev/shm/" in line)
@@ -91,6 +93,7 @@ def _sample(root: psutil.Process, run_dir: pathlib.Path, step: int, heap_blocks:
         "shm_segments": len(segments),
         "checkpoints_mb": _folder_mb(checkpoints) if checkpoints.exists() else 0.0,
         "logs_mb": _folder_mb(run_dir) - (_folder_mb(checkpoints) if checkpoints.exists() else 0),
+        "fds_by_process": fds_by_process,  # which process holds a file a later sample has more
     }
 
 
