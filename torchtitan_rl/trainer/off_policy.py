@@ -39,12 +39,12 @@ While the correction is on, the PPO ratio is taken against the trainer's own det
 
 Metrics (``mismatch/*``, always logged; while the correction is off its weight, mask and cap
 figures say what the configured menu would do, and ``loss/tis_weight_mean`` stays 1): k1 and k3
-token means, the largest token k3, the largest
-sequence-mean |k1| and k3 over sequences, the fractions of tokens masked (all causes and each),
-of sequences with a masked token and of tokens whose weight was truncated, the mean and max
-applied weight and the max raw ratio; and by policy age (trainer version - token version: 0, 1,
-2, 3, "4+") and by turn (the k-th sampled span of a training sample: 0, 1, 2, "3+"). A sequence
-sits whole in one microbatch row, so every per-sequence statistic is local.
+token means, the largest token k3, the largest sequence-mean |k1| and k3 over sequences, the
+fractions of tokens masked (all causes and each), of sequences with a masked token and of tokens
+whose weight was truncated, the mean and max applied weight and the max raw ratio; and by policy
+age (trainer version - token version: 0, 1, 2, 3, "4+") and by turn (the k-th sampled span of a
+training sample: 0, 1, 2, "3+"). A sequence sits whole in one microbatch row, so every
+per-sequence statistic is local.
 """
 
 from __future__ import annotations
