@@ -169,6 +169,11 @@ def test_kl_in_the_reward_penalises_each_generated_token() -> None:
     # k1 = log pi - log pi_ref: 0.5, 0, -1 (and nothing on a token that is not generated)
     assert kl[0].tolist() == pytest.approx([0.5, 0.0, -1.0, 0.0])
     assert shaped[0].tolist() == pytest.approx([-0.05, 0.0, 1.1, 0.0])
+    # k3 = exp(x) - 1 - x at x = log pi_ref - log pi, capped as in the loss (verl's 10):
+    # x = -0.5, 0, 1 -> 0.1065, 0, 0.7183; at cap 0.5 the last is 0.5.
+    _, k3 = kl_penalised_rewards(rewards, logprobs, reference, valid, coef=0.1, estimator="k3",
+                                 k3_cap=0.5)
+    assert k3[0].tolist() == pytest.approx([math.exp(-0.5) - 0.5, 0.0, 0.5, 0.0], rel=1e-6)
 
 
 def test_kl_in_the_reward_is_zero_until_the_policy_moves(model_dir) -> None:

@@ -576,7 +576,8 @@ class PolicyTrainerCore(Configurable):
         valid = data["loss_mask"] & torch.isfinite(data["generator_logprobs"])
         loss_cfg = self.config.loss
         return kl_penalised_rewards(data["rewards"], logprobs, reference_logprobs, valid,
-                                    coef=loss_cfg.kl_coef, estimator=loss_cfg.kl_estimator)
+                                    coef=loss_cfg.kl_coef, estimator=loss_cfg.kl_estimator,
+                                    k3_cap=loss_cfg.kl_k3_cap)
 
     def _value_loss(self, data: dict[str, torch.Tensor], returns: torch.Tensor,
                     old_values: torch.Tensor, num_valid_tokens: int,

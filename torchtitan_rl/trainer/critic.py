@@ -65,11 +65,12 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
 
 def kl_penalised_rewards(rewards: torch.Tensor, logprobs: torch.Tensor,
                          reference_logprobs: torch.Tensor, valid: torch.Tensor, *, coef: float,
-                         estimator: KLEstimator) -> tuple[torch.Tensor, torch.Tensor]:
+                         estimator: KLEstimator, k3_cap: float | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(r_t - coef * KL_t on every generated token, KL_t) for ``loss.kl_placement = "reward"``:
     the policy is penalised, token by token, for leaving the reference (verl's
-    use_kl_in_reward)."""
-    kl = torch.where(valid, token_kl(logprobs, reference_logprobs, estimator),
+    use_kl_in_reward); k3 capped at ``k3_cap`` as in the loss."""
+    kl = torch.where(valid, token_kl(logprobs, reference_logprobs, estimator, k3_cap=k3_cap),
                      torch.zeros_like(rewards))
     return rewards - coef * kl, kl
 
