@@ -11,7 +11,7 @@ sides start from one warm-started model (the config's warm start of ``--warm-sta
 under assets/warmstart; made here by a one-step job when missing), take the same prompts in the
 same order (this project's data cursor of each seed; TRL with ``shuffle_dataset=False``), and the
 settings of `trl_arguments` (our key -> TRL's argument: ``SETTINGS_MAP``). Each side runs in its
-own process, one after the other; per seed:
+own process tree, one after the other, in ABBA order over the seeds; per seed:
 
 1. ours: ``python -m torchtitan_rl.train`` (vLLM generates, torchtitan trains, Monarch between);
 2. TRL: this file's ``--trl-worker`` (GRPOTrainer, generation with transformers' generate);
@@ -33,7 +33,9 @@ processes). The console shows the CPU, the settings, the table and the last line
 (medians of steps after the first, means over seeds). TRL comes from the ``bench`` extra
 (``pip install -e '.[bench]'``); without it the bench installs ``TRL_REQUIREMENT`` into this
 interpreter first (``--no-install``: stop with the command instead). Options after ``--`` go to
-ours' jobs and the evals alike where they are eval keys (e.g. ``--validation.num_prompts 256``).
+the warm start, ours' jobs and TRL's settings, and to the evals where eval takes them; e.g.
+single-turn AlphabetSort: ``--config run_configs/alphabet_sort_cpu.toml -- --task.max_turns 1
+--rollouter.max_turns 1``.
 """
 
 from __future__ import annotations
