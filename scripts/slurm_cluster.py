@@ -211,7 +211,7 @@ class Cluster:
                              capture_output=True, text=True, timeout=10)
         return out.stdout.split()
 
-    def wait_idle(self, names: list[str], timeout_s: float = 30.0) -> None:
+    def wait_idle(self, names: list[str], timeout_s: float = 120.0) -> None:
         def idle() -> bool:
             try:
                 states = self.sinfo()

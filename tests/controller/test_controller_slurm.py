@@ -25,6 +25,7 @@ from tests.controller.jobs import (
     REPO_ROOT,
     env_without_faults,
     read_metrics,
+    run_module,
 )
 from tests.controller.lifetime_testlib import wait_for
 
@@ -82,12 +83,16 @@ def _assert_nothing_left(cluster) -> None:
              "nodes without the run's processes", timeout_s=60)
 
 
-def test_the_job_on_slurm_trains_what_it_trains_on_one_host(slurm_cluster, letters_toml_run,
-                                                            tmp_path):
+def test_the_job_on_slurm_trains_what_it_trains_on_one_host(slurm_cluster, tmp_path):
     """S = 0, the same seed: the same groups, samples, losses and rewards at every step as the
     shared local run of the same TOML (tests/conftest.py), the trainer on one node and the
     generator on another; the console names them; the job is gone at the end."""
-    local_dir, _ = letters_toml_run
+    # the local run is this test's own (not the session's shared one): a test using a session
+    # fixture is scheduled with that fixture's other users, away from this module's cluster
+    local = run_module("torchtitan_rl.train", "--config", LETTERS_TOML, "--output_dir",
+                       str(tmp_path / "local"), *LETTERS_VALIDATION)
+    assert local.returncode == 0, local.stderr[-3000:]
+    local_dir = tmp_path / "local" / "letters"
     proc = _train_on_slurm(slurm_cluster, tmp_path, *LETTERS_VALIDATION)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
