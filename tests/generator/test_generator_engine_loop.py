@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.generator.generator_testlib import (
+    StepStats,
     build_engine,
     greedy,
     new_loop,
@@ -22,7 +23,7 @@ from tests.generator.generator_testlib import (
     run,
     tiny_config,
 )
-from torchtitan_rl.generator import StepStats
+from torchtitan_rl.generator.engine_stats import stats_of as engine_stats_of
 from torchtitan_rl.types import Completion, Sampling
 
 pytestmark = pytest.mark.slow  # a vLLM engine
@@ -47,9 +48,15 @@ def _requests(n: int, seed: int = 0) -> list[tuple[str, list[int], Sampling]]:
 
 
 def test_200_concurrent_generates_resolve_with_the_raw_engine_tokens(engine: Any) -> None:
+    """...and vLLM's own numbers of those engine steps (generator/engine_stats.py) add up."""
     requests = _requests(200)
+    stats = engine_stats_of(engine)
+    assert stats is not None
+    stats.take()  # the window starts here
+    num_engine_steps = 0
 
     async def scenario() -> list[Completion | None]:
+        nonlocal num_engine_steps
         loop = new_loop(engine, CONFIG)
         completions = await asyncio.gather(*[
             loop.generate(req(rid, prompt, sampling))
@@ -57,11 +64,14 @@ def test_200_concurrent_generates_resolve_with_the_raw_engine_tokens(engine: Any
         ])
         assert loop.num_inflight_requests == 0
         await loop.close()
+        num_engine_steps = loop.num_steps
         return completions
 
+    started_wall = time.time()
     started = time.monotonic()
     completions = run(scenario())
     window_s = time.monotonic() - started
+    report = stats.take()
     reference = raw_generate(engine, requests)
     assert len(completions) == 200
     for (rid, prompt, _), completion in zip(requests, completions):
@@ -79,6 +89,22 @@ def test_200_concurrent_generates_resolve_with_the_raw_engine_tokens(engine: Any
         assert 0 < completion.metrics.generation_time_s < window_s
         assert completion.metrics.queue_time_s + completion.metrics.generation_time_s < window_s
     assert max(c.metrics.num_inflight_requests for c in completions if c) > 1
+    # vLLM's counts of the same steps: every step, token and prompt token of the 200 requests
+    m = report.metrics
+    assert m["num_steps"] == num_engine_steps == len(report.steps) > 0
+    assert m["generation_tokens"] == sum(len(c.token_ids) for c in completions if c)
+    assert m["prompt_tokens"] == sum(len(prompt) for _, prompt, _ in requests)
+    assert sum(s.num_tokens for s in report.steps) == m["generation_tokens"] + m["prompt_tokens"]
+    assert 1 < m["num_running_max"] <= CONFIG.max_num_seqs
+    assert 0 < m["kv_cache_usage_max"] <= 1 and m["num_preemptions"] == 0
+    for name in ("time_to_first_token_s", "inter_token_latency_s"):
+        assert 0 < m[f"{name}_p50"] <= m[f"{name}_p90"] <= m[f"{name}_p99"] < window_s
+    assert 0 <= m["prefix_cache_hit_rate"] <= 1
+    assert 0 < m["busy_s"] == pytest.approx(sum(s.end_s - s.start_s for s in report.steps))
+    assert all(started_wall <= s.start_s <= s.end_s <= started_wall + window_s
+               for s in report.steps)
+    # a step's requests: those running after it and those it finished
+    assert max(s.num_requests for s in report.steps) >= m["num_running_max"]
 
 
 def test_request_submitted_while_others_run_joins_the_running_batch(engine: Any) -> None:

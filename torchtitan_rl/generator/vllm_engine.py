@@ -11,10 +11,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from torchtitan_rl.generator.engine_stats import EngineStats
+from torchtitan_rl.generator.engine_stats import register as register_engine_stats
+from torchtitan_rl.generator.engine_stats import stats_of as engine_stats_of
 from torchtitan_rl.generator.loop_decision import EngineRequest
 from torchtitan_rl.types import Completion, CompletionMetrics, FinishReason, Sampling
 
@@ -88,7 +92,9 @@ def build_engine(config: EngineSpec) -> LLMEngine:
     )
     if config.enforce_eager:
         _sampler_ranks_eagerly()
-    engine = LLMEngine.from_engine_args(args)
+    stats = EngineStats()  # vLLM's own per-step numbers, read by the controller each step
+    engine = LLMEngine.from_engine_args(args, stat_loggers=[stats.stat_logger_factory()])
+    register_engine_stats(engine, stats)
     logger.info("vLLM engine ready: %s (%s, tp=%d)", config.model_dir, config.dtype, tp)
     return engine
 
@@ -235,7 +241,11 @@ def finished_outputs_of_step(engine: LLMEngine) -> list[RequestOutput] | None:
     """One engine step's finished outputs; None when the engine has nothing to step."""
     if not engine.has_unfinished_requests():
         return None
-    return [output for output in engine.step() if output.finished]
+    start = time.time()
+    outputs = engine.step()
+    if (stats := engine_stats_of(engine)) is not None:
+        stats.timed(start, time.time())
+    return [output for output in outputs if output.finished]
 
 
 def abort_with_outputs(engine: LLMEngine, request_ids: list[str]) -> list[RequestOutput | None]:

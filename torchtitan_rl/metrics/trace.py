@@ -25,8 +25,19 @@ from typing import IO, Any
 from torchtitan_rl.config.configurable import Configurable
 
 CONTROLLER_PID = 1
-"""The controller's process in the trace; generator i is GENERATOR_PID + i."""
+"""The controller's process in the trace; trainer rank r is TRAINER_PID + r, generator i is
+GENERATOR_PID + i."""
+TRAINER_PID = 10
 GENERATOR_PID = 100
+
+
+def process_name(pid: int) -> str:
+    """The name a process's track group has in the viewers."""
+    if pid >= GENERATOR_PID:
+        return f"generator_{pid - GENERATOR_PID}"
+    if pid >= TRAINER_PID:
+        return f"trainer rank {pid - TRAINER_PID}"
+    return "controller" if pid == CONTROLLER_PID else str(pid)
 
 
 class RunTrace(Configurable):
@@ -40,6 +51,8 @@ class RunTrace(Configurable):
         self.path: pathlib.Path | None = None
         self._file: IO[str] | None = None
         self._start = time.perf_counter()
+        self._wall_minus_perf = time.time() - self._start
+        """time.time() - time.perf_counter(): other processes' events come in wall-clock time."""
         self._tracks: dict[tuple[int, str], int] = {}
         self._named_pids: set[int] = set()
         self._num_async = 0
@@ -53,7 +66,7 @@ class RunTrace(Configurable):
         self.path = path
         self._file = path.open("w", buffering=1 << 16)
         self._file.write("[\n")
-        self._name_process(CONTROLLER_PID, "controller")
+        self._name_process(CONTROLLER_PID)
 
     @property
     def enabled(self) -> bool:
@@ -63,11 +76,17 @@ class RunTrace(Configurable):
         """The clock spans are given in (time.perf_counter)."""
         return time.perf_counter()
 
+    def from_wall(self, wall_s: float) -> float:
+        """A wall-clock time (time.time, another process's) as a ``now()`` value (hosts' clocks
+        are assumed in step, as NTP keeps them: to a few milliseconds)."""
+        return wall_s - self._wall_minus_perf
+
     def span(self, track: str, name: str, start: float, end: float, *,
              pid: int = CONTROLLER_PID, **args: Any) -> None:
         """A complete event on ``track`` from ``start`` to ``end`` (``now()`` values)."""
         if self._file is None:
             return
+        self._name_process(pid)
         self._write({"ph": "X", "name": name, "pid": pid, "tid": self._tid(pid, track),
                      "ts": self._us(start), "dur": max(0.0, (end - start) * 1e6),
                      **({"args": args} if args else {})})
@@ -86,8 +105,7 @@ class RunTrace(Configurable):
         their own in the viewers."""
         if self._file is None:
             return
-        self._name_process(pid, f"generator_{pid - GENERATOR_PID}" if pid >= GENERATOR_PID
-                           else str(pid))
+        self._name_process(pid)
         self._num_async += 1  # a key may come back (validation's episodes): ids must not
         common = {"cat": category, "name": name, "id": self._num_async, "pid": pid, "tid": 0}
         self._write({**common, "ph": "b", "ts": self._us(start), "args": {"key": key, **args}})
@@ -112,11 +130,11 @@ class RunTrace(Configurable):
                          "args": {"name": track}})
         return self._tracks[key]
 
-    def _name_process(self, pid: int, name: str) -> None:
+    def _name_process(self, pid: int) -> None:
         if pid not in self._named_pids:
             self._named_pids.add(pid)
             self._write({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
-                         "args": {"name": name}})
+                         "args": {"name": process_name(pid)}})
 
     def _write(self, event: dict[str, Any]) -> None:
         assert self._file is not None

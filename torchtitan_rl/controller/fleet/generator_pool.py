@@ -52,6 +52,7 @@ from torchtitan_rl.generator import (
     GeneratorLostError,
     spawn_generator,
 )
+from torchtitan_rl.generator.engine_stats import EngineStatsReport
 from torchtitan_rl.generator.partial_rollout import ResumingGenerateFn
 from torchtitan_rl.generator.router import GeneratorRouter
 from torchtitan_rl.trainer.trainer import TrainerClient
@@ -182,6 +183,22 @@ class GeneratorPool(ReplaceableMeshes):
         metrics["weight_sync/generators_by_shared_memory"] = float(sum(
             h.weight_transport == "shared_memory" for h in self.handles))
         return metrics
+
+    async def take_engine_stats(self) -> dict[int, EngineStatsReport]:
+        """Each serving generator's engine numbers since the last call (generator/
+        engine_stats.py) by router index; one lost meanwhile, or with an engine that reports
+        none (the stand-in), is left out."""
+        serving = [(i, h) for i, h in enumerate(self.handles) if h.lost_reason is None]
+        results = await asyncio.gather(*(until_lost(h, h.rank0.take_engine_stats.call_one())
+                                         for _, h in serving), return_exceptions=True)
+        reports = {}
+        for (index, handle), result in zip(serving, results):
+            if isinstance(result, BaseException) and not isinstance(result, GeneratorLostError):
+                logger.warning("%s: no engine stats this step: %s", handle.name,
+                               short_report(repr(result)))
+            elif isinstance(result, EngineStatsReport):
+                reports[index] = result
+        return reports
 
     def _weight_push(self) -> WeightPush:
         assert self.router is not None
