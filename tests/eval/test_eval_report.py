@@ -34,6 +34,7 @@ def test_pass_at_k_and_per_turn_rewards_by_hand():
     assert report.num_rollouts == 4
     assert report.pass_at_1 == pytest.approx((1 / 2 + 0 / 2) / 2)
     assert report.pass_at_k == pytest.approx(1 / 2)
+    assert report.episode_rewards == pytest.approx([0.75, 0.375])
     [turn1, turn2] = report.per_turn
     assert (turn1.turn, turn1.part, turn1.num_rollouts) == (1, "turn_score", 4)
     assert turn1.mean == pytest.approx(2.5 / 4)

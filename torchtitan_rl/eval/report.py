@@ -48,6 +48,10 @@ class EvalReport:
     pass_at_1: float
     pass_at_k: float
     per_turn: list[TurnReward]
+    episode_rewards: list[float] = dataclasses.field(default_factory=list)
+    """Each episode's mean reward over its samples, in the split's order: two models evaluated
+    on the same config compare paired by episode (the difference's standard error is the
+    stdev of the per-episode differences / sqrt(episodes))."""
 
     def lines(self) -> list[str]:
         """The human lines, then one ``key=value`` line (what a script reads)."""
@@ -90,6 +94,7 @@ def summarize(groups: Sequence[RolloutGroup], *, reward_mean: float, reward_stde
         samples_per_episode=k, pass_threshold=pass_threshold,
         pass_at_1=statistics.fmean(p / len(g.rollouts) for p, g in zip(passes, groups)),
         pass_at_k=statistics.fmean(p > 0 for p in passes), per_turn=per_turn,
+        episode_rewards=[statistics.fmean(r.reward for r in g.rollouts) for g in groups],
     )
 
 
