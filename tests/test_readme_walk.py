@@ -45,6 +45,7 @@ NOT_OPENED: dict[str, str] = {
     "torchtitan_rl.trainer.off_policy": "the off-policy correction's weights, masks and mismatch "
                                         "metrics (trainer.loss.off_policy)",
     "torchtitan_rl.trainer.critic": "PPO's critic (trainer.critic.enabled)",
+    "torchtitan_rl.trainer.reference": "the KL term's reference model (trainer.loss.kl_coef > 0)",
     "torchtitan_rl.trainer.lora": "LoRA adapters (trainer.lora.enabled)",
     "torchtitan_rl.assets.make_model": "the base model's digest (a LoRA checkpoint)",
     "torchtitan_rl.weight_sync.lora_pull": "an adapter push (trainer.lora.push)",

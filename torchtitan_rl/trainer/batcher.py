@@ -90,6 +90,12 @@ class TrainingBatch:
         }
 
 
+def valid_tokens(data: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The positions the loss trains on (mask 1 and a finite generator logprob), of a batch's
+    or a microbatch's tensors by field name."""
+    return data["loss_mask"] & torch.isfinite(data["generator_logprobs"])
+
+
 class Batcher(Configurable):
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(Configurable.Config):
@@ -152,7 +158,7 @@ class Batcher(Configurable):
         shape = (num_microbatches, self.dp_size, self.config.rows_per_microbatch, seq_len)
         tensors = {name: t.reshape(shape) for name, t in grid.items()}
         real_tokens = sum(samples[i].num_tokens for i in kept)
-        valid = tensors["loss_mask"] & torch.isfinite(tensors["generator_logprobs"])
+        valid = valid_tokens(tensors)
         num_valid = int(valid.sum())
         per_sample = torch.bincount(tensors["document_ids"][valid], minlength=max(len(samples), 1))
         documents = tensors["document_ids"].clamp(min=0)

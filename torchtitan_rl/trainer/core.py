@@ -9,6 +9,10 @@
                                        # weights; with LoRA's adapter push, the adapters)
     core.save_checkpoint(dir, extra) / core.load_checkpoint(dir) / core.export_hf(dir)
 
+Where each concern lives: the loss (loss.py), the critic and GAE (critic.py), the KL's reference
+model (reference.py), the state dicts of pushes, relays and exports (weights.py), checkpoints
+(checkpoint.py); this class builds them and runs the step.
+
 Collectives: forward_backward and optim_step run FSDP/TP collectives and all-reduce metrics over
 the data-parallel ranks; full_model_state_dict, save/load and export are collectives too. Every
 rank must call them in the same order. A lone process (WORLD_SIZE unset or 1) runs unparallelised.
@@ -27,6 +31,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -36,12 +41,7 @@ from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.faults import nan_loss_due
 from torchtitan_rl.trainer.batch_log import BatchLog
 from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
-from torchtitan_rl.trainer.critic import (
-    ValueCritic,
-    clipped_value_loss,
-    gae,
-    kl_penalised_rewards,
-)
+from torchtitan_rl.trainer.critic import CriticTargets, ValueCritic
 from torchtitan_rl.trainer.flops import UtilizationMeter
 from torchtitan_rl.trainer.lora import LoRA
 from torchtitan_rl.trainer.loss import (
@@ -51,6 +51,8 @@ from torchtitan_rl.trainer.loss import (
     finalize_loss_metrics,
     token_logprobs_and_entropy,
 )
+from torchtitan_rl.trainer.reference import ReferencePolicy
+from torchtitan_rl.trainer.weights import PolicyWeights
 from torchtitan_rl.types import TrainingSample
 
 logger = logging.getLogger(__name__)
@@ -176,7 +178,6 @@ class PolicyTrainerCore(Configurable):
             else torchtitan_qwen3_config(model_dir, attn_backend=backend)
         )
         self.lora = config.lora.build() if config.lora.enabled else None
-        self._weights_digest: str | None = None
         if self.lora is not None:
             self.model_config = self.lora.convert(self.model_config)
         self.parallel_dims = None
@@ -195,15 +196,21 @@ class PolicyTrainerCore(Configurable):
                 f"{config.data_parallel_shard_degree}"
             )
         self.model = self._build_model()
-        self.reference_model: torch.nn.Module | None = None
-        """The starting policy, frozen (``loss.kl_coef > 0``): rebuilt from the same source on
-        resume, so checkpoints do not hold it."""
+        self.weights = PolicyWeights(
+            model=self.model, lora=self.lora, model_config=self.model_config,
+            model_dir=self.model_dir, flavor=config.flavor, seed=config.seed, rank=self.rank)
+        """The policy's weights as pushes, relays, exports and checkpoints read them."""
+        self.reference: ReferencePolicy | None = None
+        """The starting policy, frozen, for a KL term (``loss.kl_coef > 0``; reference.py)."""
         if config.loss.uses_reference_model:
             torch.manual_seed(config.seed)  # a flavor's reference is its policy's initialisation
-            self.reference_model = self._build_model().eval().requires_grad_(False)
+            self.reference = ReferencePolicy(self._build_model(), forward=self._forward,
+                                             loss=config.loss)
         self.critic: ValueCritic | None = None
+        """PPO's value model and GAE (critic.py)."""
         if config.critic.enabled:
-            self.critic = config.critic.build(model=self._build_model(value_head=True))
+            self.critic = config.critic.build(model=self._build_model(value_head=True),
+                                              forward=self._forward)
         self.loss_fn = config.loss.build()
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(
@@ -247,45 +254,19 @@ class PolicyTrainerCore(Configurable):
         sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
         maxima = torch.zeros(len(MAX_KEYS), dtype=torch.float64)
         critic_targets = self._critic_targets(batch) if self.critic is not None else None
-        critic_sums = torch.zeros(4, dtype=torch.float64)
-        for index in range(batch.num_microbatches):
-            data = {k: v.to(self.device) for k, v in batch.microbatch(index, self.dp_rank).items()}
+        for index, data in enumerate(self._microbatches(batch)):
             if critic_targets is not None:
-                data["advantages"] = critic_targets[index][0]
+                data["advantages"] = critic_targets[index].advantages
             self.utilization.count(data["document_ids"])
             if self.batch_log is not None:
                 self.batch_log.write(policy_version=self.policy_version, dp_rank=self.dp_rank,
                                      microbatch=index, data=data)
-            with self._autocast():
-                logits = self._logits(data["input_ids"], data["positions"])
-            logprobs, entropy = token_logprobs_and_entropy(logits, data["labels"])
-            reference_logprobs = None
-            if self.reference_model is not None:
-                with torch.no_grad(), self._autocast():
-                    reference_logits = self._logits(data["input_ids"], data["positions"],
-                                                    model=self.reference_model)
-                reference_logprobs, _ = token_logprobs_and_entropy(reference_logits,
-                                                                   data["labels"])
-            loss, mb_sums, mb_max = self.loss_fn(
-                logprobs,
-                generator_logprobs=data["generator_logprobs"],
-                advantages=data["advantages"],
-                loss_mask=data["loss_mask"],
-                num_global_valid_tokens=batch.num_valid_tokens,
-                num_global_valid_sequences=batch.num_valid_sequences,
-                document_ids=data["document_ids"],
-                sequence_valid_tokens=data["sequence_valid_tokens"],
-                entropy=entropy,
-                reference_logprobs=reference_logprobs,
-                policy_versions=data["policy_versions"],
-                policy_version=self.policy_version,
-                positions=data["positions"],
-            )
+            loss, mb_sums, mb_max = self._policy_loss(data, batch)
             if nan_loss_due(self.policy_version):  # fault injection (tests)
                 loss = loss * float("nan")
             if critic_targets is not None:
-                loss = loss + self._value_loss(data, *critic_targets[index][1:],
-                                               batch.num_valid_tokens, critic_sums)
+                loss = loss + self.critic.value_loss(data, critic_targets[index],
+                                                     batch.num_valid_tokens)
             loss.backward()
             sums += torch.stack([mb_sums[k].double().cpu() for k in SUM_KEYS])
             maxima = torch.maximum(maxima, torch.stack([mb_max[k].double().cpu() for k in MAX_KEYS]))
@@ -294,16 +275,52 @@ class PolicyTrainerCore(Configurable):
             dict(zip(SUM_KEYS, sums.tolist())), dict(zip(MAX_KEYS, maxima.tolist()))
         )
         metrics.update(batch.metrics)
-        if critic_targets is not None:
-            critic_sums, _ = self._reduce_over_dp(critic_sums, torch.zeros(1, dtype=torch.float64))
-            value_loss, clipped, value, target = critic_sums.tolist()
-            n = max(batch.num_valid_tokens, 1)
-            metrics.update({"critic/value_loss": value_loss / n, "critic/clipped_frac": clipped / n,
-                            "critic/value_mean": value / n, "critic/return_mean": target / n})
-            if self.config.loss.kl_placement == "reward":
-                metrics["loss/kl_mean"] = self._reward_kl_sum / n
+        if self.critic is not None:
+            metrics.update(self.critic.step_metrics(
+                batch.num_valid_tokens, reduce_sums=self._reduce_sums,
+                reward_kl=self.config.loss.kl_placement == "reward"))
         metrics["trainer/forward_backward_s"] = time.perf_counter() - start
         return metrics
+
+    def _policy_loss(self, data: dict[str, torch.Tensor], batch: TrainingBatch
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """One microbatch's policy loss (with grad), its metric sums and maxima."""
+        logprobs, entropy = token_logprobs_and_entropy(self._forward(self.model, data),
+                                                       data["labels"])
+        reference_logprobs = (self.reference.logprobs(data) if self.reference is not None
+                              else None)
+        return self.loss_fn(
+            logprobs,
+            generator_logprobs=data["generator_logprobs"],
+            advantages=data["advantages"],
+            loss_mask=data["loss_mask"],
+            num_global_valid_tokens=batch.num_valid_tokens,
+            num_global_valid_sequences=batch.num_valid_sequences,
+            document_ids=data["document_ids"],
+            sequence_valid_tokens=data["sequence_valid_tokens"],
+            entropy=entropy,
+            reference_logprobs=reference_logprobs,
+            policy_versions=data["policy_versions"],
+            policy_version=self.policy_version,
+            positions=data["positions"],
+        )
+
+    def _critic_targets(self, batch: TrainingBatch) -> list[CriticTargets]:
+        """GAE advantages and returns of this rank's microbatches, before any update."""
+        assert self.critic is not None
+        penalised_rewards = None
+        if self.config.loss.kl_placement == "reward":
+            assert self.reference is not None
+            reference = self.reference
+
+            def penalised_rewards(data: dict[str, torch.Tensor]
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                logprobs, _ = token_logprobs_and_entropy(self._forward(self.model, data),
+                                                         data["labels"])
+                return reference.penalised_rewards(data, logprobs)
+
+        return self.critic.step_targets(self._microbatches(batch), reduce_sums=self._reduce_sums,
+                                        penalised_rewards=penalised_rewards)
 
     def optim_step(self) -> dict[str, float]:
         """Clip gradients, AdamW step at the warm-up learning rate, zero grads, bump the version.
@@ -325,13 +342,9 @@ class PolicyTrainerCore(Configurable):
         finite = bool(torch.isfinite(grad_norm))
         critic_metrics: dict[str, float] = {}
         if self.critic is not None:
-            critic_norm = dist_utils.clip_grad_norm_(
-                list(self.critic.model.parameters()), self.critic.config.max_grad_norm,
-                foreach=True)
+            critic_norm = self.critic.clip_gradients()
             finite = finite and bool(torch.isfinite(critic_norm))
-            if finite:
-                self.critic.optimizer.step()
-            self.critic.optimizer.zero_grad(set_to_none=True)
+            self.critic.step(finite)
             critic_metrics["critic/grad_norm"] = float(critic_norm)
         if finite:
             self.optimizer.step()
@@ -357,10 +370,8 @@ class PolicyTrainerCore(Configurable):
         same on every rank (gathered over data-parallel ranks)."""
         self.model.eval()
         out = torch.zeros(batch.labels.shape, dtype=torch.float32)
-        for index in range(batch.num_microbatches):
-            data = {k: v.to(self.device) for k, v in batch.microbatch(index, self.dp_rank).items()}
-            with self._autocast():
-                logits = self._logits(data["input_ids"], data["positions"])
+        for index, data in enumerate(self._microbatches(batch)):
+            logits = self._forward(self.model, data)
             has_target = data["document_ids"] >= 0
             logprobs, _ = token_logprobs_and_entropy(logits, data["labels"])
             logprobs = torch.where(has_target, logprobs, 0.0)
@@ -374,67 +385,40 @@ class PolicyTrainerCore(Configurable):
             out = out.cpu()
         return out
 
-    # ---- weights and checkpoints ------------------------------------------------------------
+    # ---- weights and checkpoints (the command surface of both launches; weights.py) --------
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """What this rank sends of a relayed push: torchtitan-named state dict as this rank holds
-        it (DTensor shards when parallel). With LoRA, ``pushed_state_dict()``, gathered (a
-        collective; rank 0 sends it all)."""
-        if self.lora is None:
-            return self.model.state_dict()
-        return self.pushed_state_dict()
+        """What this rank sends of a relayed push (PolicyWeights.relayed_state_dict)."""
+        return self.weights.relayed_state_dict()
 
     def pushed_state_dict(self) -> dict[str, torch.Tensor]:
-        """What a push sends and a verify expects, plain full tensors, torchtitan names
-        (collective): the model's weights, or with ``trainer.lora.push = "adapter"`` the
-        adapters alone."""
-        if self.lora is not None and self.lora.config.push == "adapter":
-            return LoRA.adapter_state_dict(self._gathered_state_dict())
-        return self.full_model_state_dict()
+        """What a push sends and a verify expects (PolicyWeights.pushed_state_dict)."""
+        return self.weights.pushed_state_dict()
 
     @property
     def pushed_lora_scaling(self) -> float | None:
-        """alpha / rank when pushes carry adapters (the engine scales B by it), else None."""
-        if self.lora is not None and self.lora.config.push == "adapter":
-            return self.lora.scaling
-        return None
+        return self.weights.pushed_lora_scaling
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
-        """torchtitan-named plain full tensors (collective over the trainer ranks; a tied weight
-        is gathered once and appears under both names). With LoRA: each adapted weight merged
-        with its adapter, no adapter entries: what the generators and an HF export load."""
-        result = self._gathered_state_dict()
-        return self.lora.merged_state_dict(result) if self.lora is not None else result
-
-    def _gathered_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state dict as plain full tensors (collective; a tied weight once)."""
-        from torch.distributed.tensor import DTensor
-
-        full: dict[tuple[int, int], torch.Tensor] = {}
-        result = {}
-        for name, tensor in self.model.state_dict().items():
-            # Each name is a new detached tensor: find a tied weight by storage (sent once).
-            local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-            key = (local.untyped_storage().data_ptr(), local.storage_offset())
-            if key not in full:
-                value = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-                full[key] = value.detach()
-            result[name] = full[key]
-        return result
+        """torchtitan-named plain full tensors, LoRA merged (PolicyWeights.full_state_dict)."""
+        return self.weights.full_state_dict()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named plain full tensors (collective); no lm_head when embeddings are tied."""
-        from torchtitan_rl.models.qwen3 import hf_state_dict_from_torchtitan
+        return self.weights.hf_state_dict()
 
-        return hf_state_dict_from_torchtitan(self.full_model_state_dict(), self.model_config)
+    def export_hf(self, path: str | os.PathLike, dtype: str = "") -> None:
+        """An HF model dir, or a PEFT adapter dir (PolicyWeights.export_hf)."""
+        self.weights.export_hf(path, _DTYPES[dtype] if dtype else None)
 
     def save_checkpoint(self, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> None:
-        """DCP checkpoint of model, AdamW state, policy_version and ``extra`` (JSON-able)."""
+        """DCP checkpoint of model, AdamW state, policy_version and ``extra`` (JSON-able); the
+        critic's model and AdamW state in ``critic/``."""
         from torchtitan_rl.trainer import checkpoint as ckpt
 
         ckpt.save_checkpoint(
             path, model=self.model, optimizer=self.optimizer, step=self.policy_version,
-            extra=extra or {}, base_digest=self._base_digest(),
+            extra=extra or {}, base_digest=self.weights.base_digest(),
         )
         if self.critic is not None:
             ckpt.save_checkpoint(os.path.join(path, "critic"), model=self.critic.model,
@@ -446,7 +430,7 @@ class PolicyTrainerCore(Configurable):
         from torchtitan_rl.trainer import checkpoint as ckpt
 
         step, extra = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer,
-                                           base_digest=self._base_digest())
+                                           base_digest=self.weights.base_digest())
         if self.critic is not None:
             critic_path = os.path.join(path, "critic")
             if not os.path.isfile(os.path.join(critic_path, ".metadata")):
@@ -457,38 +441,7 @@ class PolicyTrainerCore(Configurable):
         self.policy_version = step
         return extra
 
-    def export_hf(self, path: str | os.PathLike, dtype: str = "") -> None:
-        """Write an HF model dir (safetensors + config/tokenizer files of the source dir); with
-        ``trainer.lora.export = "peft"``, a PEFT adapter dir over the base instead."""
-        from torchtitan_rl.trainer import checkpoint as ckpt
-
-        if self.lora is not None and self.lora.config.export == "peft":
-            state_dict = self._gathered_state_dict()  # a collective: every rank gathers
-            if self.rank == 0:
-                self.lora.write_peft_adapter(path, state_dict, self.model_config, self.model_dir)
-            if dist.is_initialized():
-                dist.barrier()
-            return
-        ckpt.export_hf(
-            path, self.hf_state_dict(), source_dir=self.model_dir,
-            dtype=_DTYPES[dtype] if dtype else None, write=self.rank == 0,
-        )
-
     # ---- helpers ----------------------------------------------------------------------------
-
-    def _base_digest(self) -> str | None:
-        """With LoRA, what the frozen base is: sha256 of its model directory (or the flavor and
-        seed of a random one); None without LoRA."""
-        if self.lora is None:
-            return None
-        if self._weights_digest is None:
-            if self.config.flavor:
-                self._weights_digest = f"flavor={self.config.flavor}/seed={self.config.seed}"
-            else:
-                from torchtitan_rl.assets.make_model import directory_digest
-
-                self._weights_digest = directory_digest(self.model_dir)
-        return self._weights_digest
 
     def _build_model(self, value_head: bool = False) -> torch.nn.Module:
         from torchtitan_rl.models.qwen3 import build_qwen3_from_hf
@@ -526,73 +479,16 @@ class PolicyTrainerCore(Configurable):
             logits = logits.full_tensor()
         return logits
 
-    def _values(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The value model's V at every position of a microbatch, float32 [rows, seq_len]."""
-        assert self.critic is not None
+    def _forward(self, model: torch.nn.Module, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``model``'s logits (or values) at every position of a microbatch, in the compute
+        dtype (autocast on one rank; FSDP's mixed precision on several)."""
         with self._autocast():
-            values = self._logits(data["input_ids"], data["positions"], model=self.critic.model)
-        return values.squeeze(-1).float()
+            return self._logits(data["input_ids"], data["positions"], model=model)
 
-    def _critic_targets(self, batch: TrainingBatch
-                        ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per microbatch of this rank: (GAE advantages whitened over the step, returns, the
-        values they were computed from), before any update (trainer/critic.py)."""
-        assert self.critic is not None
-        cfg = self.critic.config
-        raw = []
-        totals = torch.zeros(3, dtype=torch.float64)
-        kl_sum = 0.0
+    def _microbatches(self, batch: TrainingBatch) -> Iterator[dict[str, torch.Tensor]]:
+        """This rank's microbatches of ``batch``, in order, on the device."""
         for index in range(batch.num_microbatches):
-            data = {k: v.to(self.device) for k, v in batch.microbatch(index, self.dp_rank).items()}
-            rewards = data["rewards"]
-            with torch.no_grad():
-                values = self._values(data)
-                if self.config.loss.kl_placement == "reward":
-                    rewards, kl = self._kl_penalised_rewards(data)
-                    kl_sum += float(kl.sum())
-            advantages, returns = gae(rewards, values, data["loss_mask"],
-                                      data["document_ids"], gamma=cfg.gamma, lam=cfg.lam)
-            valid = data["loss_mask"] & torch.isfinite(data["generator_logprobs"])
-            picked = advantages[valid].double().cpu()
-            totals += torch.stack([torch.tensor(float(picked.numel()), dtype=torch.float64),
-                                   picked.sum(), picked.square().sum()])
-            raw.append((advantages, returns, values, valid))
-        totals, _ = self._reduce_over_dp(
-            torch.cat([totals, torch.tensor([kl_sum], dtype=torch.float64)]),
-            torch.zeros(1, dtype=torch.float64))
-        self._reward_kl_sum = float(totals[3])
-        return [(self.critic.whiten(a, valid, tuple(totals[:3].tolist())), r, v)
-                for a, r, v, valid in raw]
-
-    def _kl_penalised_rewards(self, data: dict[str, torch.Tensor]
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self.reference_model is not None
-        with self._autocast():
-            logits = self._logits(data["input_ids"], data["positions"])
-            reference_logits = self._logits(data["input_ids"], data["positions"],
-                                            model=self.reference_model)
-        logprobs, _ = token_logprobs_and_entropy(logits, data["labels"])
-        reference_logprobs, _ = token_logprobs_and_entropy(reference_logits, data["labels"])
-        valid = data["loss_mask"] & torch.isfinite(data["generator_logprobs"])
-        loss_cfg = self.config.loss
-        return kl_penalised_rewards(data["rewards"], logprobs, reference_logprobs, valid,
-                                    coef=loss_cfg.kl_coef, estimator=loss_cfg.kl_estimator,
-                                    k3_cap=loss_cfg.kl_k3_cap)
-
-    def _value_loss(self, data: dict[str, torch.Tensor], returns: torch.Tensor,
-                    old_values: torch.Tensor, num_valid_tokens: int,
-                    sums: torch.Tensor) -> torch.Tensor:
-        """This microbatch's share of the step's value loss (a mean over valid tokens); adds
-        (loss, clipped, value, return) sums into ``sums``."""
-        assert self.critic is not None
-        valid = data["loss_mask"] & torch.isfinite(data["generator_logprobs"])
-        values = self._values(data)
-        loss_sum, clipped = clipped_value_loss(values, old_values, returns, valid,
-                                               self.critic.config.value_clip)
-        sums += torch.stack([loss_sum.detach().double().cpu(), clipped.double().cpu(),
-                             values.detach()[valid].double().sum().cpu(),
-                             returns[valid].double().sum().cpu()])
-        return loss_sum / max(int(num_valid_tokens), 1)
+            yield {k: v.to(self.device) for k, v in batch.microbatch(index, self.dp_rank).items()}
 
     def _autocast(self) -> Any:
         # Several ranks: FSDP's mixed-precision policy already casts; one rank: autocast.
@@ -621,3 +517,6 @@ class PolicyTrainerCore(Configurable):
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
         return sums.cpu(), maxima.cpu()
+
+    def _reduce_sums(self, sums: torch.Tensor) -> torch.Tensor:
+        return self._reduce_over_dp(sums, torch.zeros(1, dtype=torch.float64))[0]

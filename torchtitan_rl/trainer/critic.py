@@ -2,10 +2,11 @@
 trained beside the policy on the same ranks, and GAE advantages from its values.
 
     core.forward_backward(batch)         (PolicyTrainerCore, when the critic is enabled)
-      critic.advantages(batch)           no-grad values V of every microbatch -> GAE per sequence
+      critic.step_targets(microbatches)  no-grad values V of every microbatch -> GAE per sequence
                                          -> advantages (whitened over the step) and returns
-      per microbatch: policy loss on those advantages; critic.value_loss(...) backward
-    core.optim_step() -> critic.optim_step()
+      per microbatch: policy loss on those advantages + critic.value_loss(...), backward
+      critic.step_metrics(...)           critic/* (reduced over data-parallel ranks)
+    core.optim_step() -> critic.clip_gradients(), critic.step(finite)
 
 The value model is the policy's architecture loaded from the same source, with the output head
 replaced by a zero-initialised Linear(dim, 1) (so V = 0 before it learns); its own AdamW. The
@@ -32,11 +33,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Iterable
 
 import torch
 
 from torchtitan_rl.config.configurable import Configurable
+from torchtitan_rl.trainer.batcher import valid_tokens
 from torchtitan_rl.trainer.kl import KLEstimator, token_kl
+
+Forward = Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+"""A model's output at every position of a microbatch (its tensors by field name), computed as
+the trainer computes (compute dtype, gathered over tensor-parallel ranks)."""
+
+ReduceSums = Callable[[torch.Tensor], torch.Tensor]
+"""Float64 sums of this rank -> the sums over the data-parallel ranks (a collective)."""
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
@@ -87,6 +97,18 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
     return loss.sum(), bound.float().sum()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class CriticTargets:
+    """One microbatch's GAE results, [rows, seq_len] float32 (0 off valid tokens)."""
+
+    advantages: torch.Tensor
+    """GAE advantages, whitened over the step when ``whiten_advantages``."""
+    returns: torch.Tensor
+    """The value targets R = A + V (before whitening)."""
+    old_values: torch.Tensor
+    """V before any update of the step (the clipped value loss's V_old)."""
+
+
 class ValueCritic(Configurable):
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(Configurable.Config):
@@ -118,10 +140,91 @@ class ValueCritic(Configurable):
             if not self.max_grad_norm > 0:
                 raise ValueError(f"critic.max_grad_norm must be > 0, got {self.max_grad_norm}")
 
-    def __init__(self, config: Config, *, model: torch.nn.Module) -> None:
+    def __init__(self, config: Config, *, model: torch.nn.Module, forward: Forward) -> None:
         self.config = config
         self.model = model
+        """The value model: the policy's architecture with a zero-initialised Linear(dim, 1)."""
+        self.forward = forward
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, foreach=True)
+        self._sums = torch.zeros(4, dtype=torch.float64)
+        """The step's (value loss, clipped, value, return) sums over valid tokens."""
+        self._reward_kl_sum = 0.0
+        """The step's sum of KL_t over valid tokens when the KL enters the rewards."""
+
+    def values(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """V at every position of a microbatch, float32 [rows, seq_len]."""
+        return self.forward(self.model, data).squeeze(-1).float()
+
+    def step_targets(
+        self, microbatches: Iterable[dict[str, torch.Tensor]], *, reduce_sums: ReduceSums,
+        penalised_rewards: Callable[[dict[str, torch.Tensor]],
+                                    tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> list[CriticTargets]:
+        """Per microbatch of this rank, before any update: GAE advantages (whitened over the
+        step's valid tokens of every rank), returns and the values they came from.
+        ``penalised_rewards``: (rewards - kl_coef * KL_t, KL_t) of a microbatch, when the KL
+        enters the rewards. Starts the step's value-loss sums."""
+        raw = []
+        totals = torch.zeros(3, dtype=torch.float64)
+        kl_sum = 0.0
+        for data in microbatches:
+            rewards = data["rewards"]
+            with torch.no_grad():
+                values = self.values(data)
+                if penalised_rewards is not None:
+                    rewards, kl = penalised_rewards(data)
+                    kl_sum += float(kl.sum())
+            advantages, returns = gae(rewards, values, data["loss_mask"], data["document_ids"],
+                                      gamma=self.config.gamma, lam=self.config.lam)
+            valid = valid_tokens(data)
+            picked = advantages[valid].double().cpu()
+            totals += torch.stack([torch.tensor(float(picked.numel()), dtype=torch.float64),
+                                   picked.sum(), picked.square().sum()])
+            raw.append((advantages, returns, values, valid))
+        totals = reduce_sums(torch.cat([totals, torch.tensor([kl_sum], dtype=torch.float64)]))
+        self._reward_kl_sum = float(totals[3])
+        self._sums = torch.zeros(4, dtype=torch.float64)
+        return [CriticTargets(advantages=self.whiten(a, valid, tuple(totals[:3].tolist())),
+                              returns=r, old_values=v)
+                for a, r, v, valid in raw]
+
+    def value_loss(self, data: dict[str, torch.Tensor], targets: CriticTargets,
+                   num_valid_tokens: int) -> torch.Tensor:
+        """This microbatch's share of the step's value loss (a mean over the step's valid
+        tokens), with grad; adds its sums into the step's."""
+        valid = valid_tokens(data)
+        values = self.values(data)
+        loss_sum, clipped = clipped_value_loss(values, targets.old_values, targets.returns, valid,
+                                               self.config.value_clip)
+        self._sums += torch.stack([loss_sum.detach().double().cpu(), clipped.double().cpu(),
+                                   values.detach()[valid].double().sum().cpu(),
+                                   targets.returns[valid].double().sum().cpu()])
+        return loss_sum / max(int(num_valid_tokens), 1)
+
+    def step_metrics(self, num_valid_tokens: int, *, reduce_sums: ReduceSums,
+                     reward_kl: bool) -> dict[str, float]:
+        """critic/* of the step (a collective); with ``reward_kl``, loss/kl_mean of the KL that
+        entered the rewards."""
+        value_loss, clipped, value, target = reduce_sums(self._sums).tolist()
+        n = max(num_valid_tokens, 1)
+        metrics = {"critic/value_loss": value_loss / n, "critic/clipped_frac": clipped / n,
+                   "critic/value_mean": value / n, "critic/return_mean": target / n}
+        if reward_kl:
+            metrics["loss/kl_mean"] = self._reward_kl_sum / n
+        return metrics
+
+    def clip_gradients(self) -> torch.Tensor:
+        """Clip the value model's gradient norm (a collective); returns the norm before."""
+        from torchtitan.distributed import utils as dist_utils
+
+        return dist_utils.clip_grad_norm_(list(self.model.parameters()),
+                                          self.config.max_grad_norm, foreach=True)
+
+    def step(self, finite: bool) -> None:
+        """AdamW step when every gradient of the step is finite; zero the gradients."""
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def whiten(self, advantages: torch.Tensor, valid: torch.Tensor,
                totals: tuple[float, float, float]) -> torch.Tensor:
