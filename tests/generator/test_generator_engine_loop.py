@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from tests.generator.generator_testlib import (
-    StepStats,
     build_engine,
     greedy,
     new_loop,
@@ -23,6 +22,7 @@ from tests.generator.generator_testlib import (
     run,
     tiny_config,
 )
+from torchtitan_rl.generator import StepStats
 from torchtitan_rl.generator.engine_stats import stats_of as engine_stats_of
 from torchtitan_rl.types import Completion, Sampling
 
