@@ -41,6 +41,7 @@ NOT_OPENED: dict[str, str] = {
     "torchtitan_rl.trainer.checkpoint": "checkpoints",
     "torchtitan_rl.trainer.flops": "MFU metrics",
     "torchtitan_rl.trainer.batch_log": "a debug log (trainer.debug_batch_log)",
+    "torchtitan_rl.trainer.timeline": "each rank's spans for the run's trace (trace.json)",
     "torchtitan_rl.trainer.kl": "the KL term (trainer.loss.kl_coef > 0)",
     "torchtitan_rl.trainer.off_policy": "the off-policy correction's weights, masks and mismatch "
                                         "metrics (trainer.loss.off_policy)",

@@ -26,6 +26,7 @@ from tests.controller.jobs import (
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.config.manager import parse_args
 from torchtitan_rl.controller.job import RLJob
+from torchtitan_rl.metrics import step_breakdown
 from torchtitan_rl.train import main
 
 
@@ -105,6 +106,48 @@ def test_three_step_sync_run_logs_finite_metrics_tensorboard_and_checkpoints(uni
         assert json.loads((checkpoint / "controller.json").read_text())["step"] == step
     assert (run_dir / "hf" / "config.json").is_file()
     assert (run_dir / "reward_curve.png").stat().st_size > 0
+    assert (run_dir / "step_breakdown.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_each_steps_wall_time_is_broken_down_and_the_engines_report_their_own_numbers(
+        uninterrupted_run):
+    """time/breakdown/* (metrics/step_breakdown.py): the parts of each step's wall time, from
+    the previous step's push to its own, sum to time/step_wall_s, which equals the distance
+    between the timeline's push ends; validation 0 falls in step 0, checkpoints 1 and 2 in steps
+    1 and 2. engine/generator_0/* (generator/engine_stats.py) are vLLM's own counts: at step 2
+    (no validation in its window) its generated tokens are the step's rollout tokens."""
+    run_dir, _ = uninterrupted_run
+    metrics = read_metrics(run_dir)
+    events = json.loads((run_dir / "trace.json").read_text())
+    push_ends = [e["ts"] + e["dur"] for e in events if e["ph"] == "X" and e["name"] == "push"
+                 and e["pid"] == 1]
+    for step in range(3):
+        m = metrics[step]
+        parts = {part: m[f"time/breakdown/{part}_s"] for part in step_breakdown.PARTS}
+        assert all(seconds >= 0 for seconds in parts.values()), (step, parts)
+        assert sum(parts.values()) == pytest.approx(m["time/step_wall_s"], abs=1e-9)
+        assert parts["wait_for_batch"] == m["time/generate_s"]
+        assert parts["train"] == m["time/train_s"] and parts["push"] == m["time/sync_s"]
+        if step:  # the trace's clock is the loop's: the push ends are the step boundaries
+            assert m["time/step_wall_s"] * 1e6 == pytest.approx(
+                push_ends[step] - push_ends[step - 1], abs=5.0)
+    assert [metrics[s]["time/breakdown/validate_s"] > 0 for s in range(3)] == [True, False, False]
+    assert [metrics[s]["time/breakdown/checkpoint_s"] > 0 for s in range(3)] == [
+        False, True, True]
+    rows = step_breakdown.read_breakdowns(run_dir / "metrics.jsonl")
+    assert [step for step, _ in rows] == [0, 1, 2]
+
+    for step in range(3):
+        m = {k.removeprefix("engine/generator_0/"): v for k, v in metrics[step].items()
+             if k.startswith("engine/generator_0/")}
+        assert m["num_steps"] > 0 and m["generation_tokens"] > 0 and m["prompt_tokens"] > 0
+        assert 0 < m["kv_cache_usage_max"] <= 1 and 0 < m["num_running_max"] <= 8
+        assert 0 <= m["prefix_cache_hit_rate"] <= 1 and m["num_preemptions"] == 0
+        for name in ("time_to_first_token_s", "inter_token_latency_s"):
+            assert 0 < m[f"{name}_p50"] <= m[f"{name}_p90"] <= m[f"{name}_p99"]
+    step_tokens = metrics[2]["throughput/generated_tokens_per_s"] * metrics[2]["time/step_s"]
+    assert metrics[2]["engine/generator_0/generation_tokens"] == pytest.approx(step_tokens)
     assert (run_dir / "rollouts" / "rollouts.jsonl").read_text().count("\n") == 3 * 2 * 4
 
 
@@ -144,6 +187,30 @@ def test_the_run_writes_its_timeline_for_perfetto(uninterrupted_run):
     validation_rollouts = (run_dir / "rollouts" / "validation.jsonl").read_text().count("\n")
     assert len(begins) == routed + validation_rollouts // 2
     assert all(b["args"]["outcome"] == "done" for b in begins)
+    # the generator's own tracks: its engine steps, as many as vLLM counted in the steps' windows
+    # (the last validation's come after the last read), and its part of each push
+    engine_steps = [e for e in spans if e["pid"] == 100 and e["name"] == "step"]
+    assert len(engine_steps) == sum(read_metrics(run_dir)[s]["engine/generator_0/num_steps"]
+                                    for s in range(3))
+    assert all(e["args"]["requests"] >= 1 and e["args"]["tokens"] >= 1 for e in engine_steps)
+    pushes = [e for e in spans if e["pid"] == 100 and e["name"].startswith("push v")]
+    assert [e["name"] for e in pushes] == ["push v1", "push v2", "push v3"]
+    for push in pushes:
+        inside = [e for e in spans if e["pid"] == 100 and push["ts"] <= e["ts"]
+                  and e["ts"] + e["dur"] <= push["ts"] + push["dur"] + 0.2]
+        assert {"gather", "send and pull", "convert", "load"} <= {e["name"] for e in inside}
+    # each trainer rank's forward and backward per microbatch and its optimizer step, inside the
+    # controller's train slice of the step
+    assert (10, "trainer rank 0") in names
+    trains = [e for e in steps if e["name"] == "train"]
+    for pid in {e["pid"] for e in spans if 10 <= e["pid"] < 100}:
+        rank = [e for e in spans if e["pid"] == pid]
+        assert [e["name"] for e in rank if e["name"] == "optimizer"] == ["optimizer"] * 3
+        for name in ("forward", "backward"):
+            assert [e["args"]["microbatch"] for e in rank if e["name"] == name][:1] == [0]
+        for e in rank:  # wall clock mapped onto the controller's: within a millisecond
+            assert any(t["ts"] - 1e3 <= e["ts"] and e["ts"] + e["dur"] <= t["ts"] + t["dur"] + 1e3
+                       for t in trains), e
 
 
 @pytest.mark.slow

@@ -55,6 +55,7 @@ from torchtitan_rl.controller.trainer_restart import (
 )
 from torchtitan_rl.generator import Generator
 from torchtitan_rl.generator.router import GeneratorRouter
+from torchtitan_rl.metrics import step_breakdown
 from torchtitan_rl.metrics.logger import MetricsLogger
 from torchtitan_rl.monarch_failures import is_supervision_error
 from torchtitan_rl.rollout.recorder import RolloutRecorder
@@ -331,6 +332,7 @@ class RLJob(Configurable):
             await parts.trainer.export_hf(run_dir / "hf")
             self._lap("export", mark)
         _plot(state, run_dir)
+        step_breakdown.plot(run_dir)
         parts.recorder.write_viewer()
 
 

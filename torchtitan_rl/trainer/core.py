@@ -52,6 +52,7 @@ from torchtitan_rl.trainer.loss import (
     token_logprobs_and_entropy,
 )
 from torchtitan_rl.trainer.reference import ReferencePolicy
+from torchtitan_rl.trainer.timeline import RankTimeline
 from torchtitan_rl.trainer.weights import PolicyWeights
 from torchtitan_rl.types import TrainingSample
 
@@ -219,6 +220,8 @@ class PolicyTrainerCore(Configurable):
         )
         self.policy_version = 0
         """Optimizer steps taken (restored from checkpoints): the version of the current weights."""
+        self.timeline = RankTimeline()
+        """This rank's forward, backward and optimizer spans for the run's trace (timeline.py)."""
         self.utilization = UtilizationMeter(
             model_config=self.model_config, model=self.model, dtype=self.compute_dtype,
             device=self.device, tensor_parallel_degree=config.tensor_parallel_degree)
@@ -261,13 +264,15 @@ class PolicyTrainerCore(Configurable):
             if self.batch_log is not None:
                 self.batch_log.write(policy_version=self.policy_version, dp_rank=self.dp_rank,
                                      microbatch=index, data=data)
-            loss, mb_sums, mb_max = self._policy_loss(data, batch)
+            with self.timeline.span("forward", microbatch=index):
+                loss, mb_sums, mb_max = self._policy_loss(data, batch)
             if nan_loss_due(self.policy_version):  # fault injection (tests)
                 loss = loss * float("nan")
             if critic_targets is not None:
                 loss = loss + self.critic.value_loss(data, critic_targets[index],
                                                      batch.num_valid_tokens)
-            loss.backward()
+            with self.timeline.span("backward", microbatch=index):
+                loss.backward()
             sums += torch.stack([mb_sums[k].double().cpu() for k in SUM_KEYS])
             maxima = torch.maximum(maxima, torch.stack([mb_max[k].double().cpu() for k in MAX_KEYS]))
         sums, maxima = self._reduce_over_dp(sums, maxima)

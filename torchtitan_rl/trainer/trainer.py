@@ -51,6 +51,7 @@ from torchtitan_rl.console import configure_process_logging
 from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
 from torchtitan_rl.trainer.core import PolicyTrainerCore
+from torchtitan_rl.trainer.timeline import TimelineEvent
 from torchtitan_rl.types import TrainingSample
 from torchtitan_rl.weight_sync.push import WeightPusher, WeightTransport
 from torchtitan_rl.weight_sync.relay import LinkPacer, relay_chunks, send_chunks
@@ -133,10 +134,17 @@ class PolicyTrainer(Actor, Configurable):
 
     @concurrent_endpoint
     async def optim_step(self) -> dict[str, float]:
-        metrics = self.core.optim_step()
+        with self.core.timeline.span("optimizer"):
+            metrics = self.core.optim_step()
         if self.restart == 0:  # a restored trainer trains the killed step again: once is enough
             maybe_kill("kill_trainer_after_steps", self.core.policy_version)
         return metrics
+
+    @concurrent_endpoint
+    async def take_timeline(self) -> list[TimelineEvent]:
+        """Every rank: its forward, backward and optimizer spans since the last call
+        (trainer/timeline.py)."""
+        return self.core.timeline.take()
 
     @concurrent_endpoint
     async def compute_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
@@ -285,6 +293,11 @@ class TrainerClient(abc.ABC):
             metrics.update(await self.optim_step())
         return metrics
 
+    async def take_timeline(self) -> dict[int, list[TimelineEvent]]:
+        """Every rank's forward, backward and optimizer spans since the last call, by rank
+        (trainer/timeline.py); none where the ranks keep no timeline."""
+        return {}
+
     @abc.abstractmethod
     async def forward_backward(self, samples: list[TrainingSample]) -> dict[str, float]:
         """Every rank packs ``samples`` (``self.batcher``) and runs its column of the batch;
@@ -360,6 +373,10 @@ class MonarchTrainerClient(TrainerClient):
 
     async def optim_step(self) -> dict[str, float]:
         return rank0_value(await self.actors.optim_step.call())
+
+    async def take_timeline(self) -> dict[int, list[TimelineEvent]]:
+        return {point.rank: events
+                for point, events in (await self.actors.take_timeline.call()).items()}
 
     async def push_weights(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
         assert generator.weight_transport is not None, "the pool picks each generator's transport"

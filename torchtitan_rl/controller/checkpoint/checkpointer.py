@@ -56,7 +56,8 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 CHECKSUMS_FILE = "checksums.sha256"
 _CONTROLLER_FILE = "controller.json"
 _RUN_OUTPUTS = ("checkpoints", "tensorboard", "metrics.jsonl", "rollouts", "hf",
-                "reward_curve.png", "rollout_viewer.html", "summary.json", "trained_samples.jsonl",
+                "reward_curve.png", "step_breakdown.png", "rollout_viewer.html", "summary.json",
+                "trained_samples.jsonl",
                 "wandb", "mlflow.db", "tracker_runs.json")
 
 
@@ -90,6 +91,8 @@ class ControllerState:
     reward_history: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     validation_history: list[tuple[int, float, float]] = dataclasses.field(default_factory=list)
     """(step, reward mean, stderr)."""
+    greedy_reward: float | None = None
+    """The first validation's greedy reference (`validation.greedy_reference`), if measured."""
     validation_per_turn: dict[str, float] = dataclasses.field(default_factory=dict)
     """The newest validation's per-turn rewards (`ValidationResult.per_turn`), for the summary."""
     first_validation_episode_means: list[float] = dataclasses.field(default_factory=list)

@@ -32,6 +32,7 @@ from monarch.actor import ActorError
 
 from torchtitan_rl.generator import GeneratorHandle, GeneratorLostError
 from torchtitan_rl.generator.router import GeneratorRouter
+from torchtitan_rl.metrics.trace import GENERATOR_PID
 from torchtitan_rl.monarch_failures import is_supervision_error
 from torchtitan_rl.trainer.trainer import TrainerClient
 
@@ -119,9 +120,11 @@ class WeightPush:
                                 version: int) -> None:
         self.router.set_syncing([index], True)
         trainer_called = False
+        start = time.perf_counter()
         try:
             metrics = await until_lost(generator, self.trainer.push_weights(generator, version))
             trainer_called = True
+            self._trace(index, version, start, time.perf_counter(), metrics, relayed=False)
             self.totals.timings.update(metrics)
             moved = metrics.get("weight_sync/model_bytes", 0.0)
             self.totals.by_shared_memory(moved)
@@ -159,6 +162,11 @@ class WeightPush:
                         self.trainer, chain, version, attempt, self.totals)) as relayed:
                     async for position, result in relayed:
                         pulled.add(position)
+                        sent_s = self.totals.timings.get("weight_sync/send_s", 0.0)
+                        self._trace(indices[position], version, start, time.perf_counter(), {
+                            "weight_sync/send_s": sent_s,
+                            **{f"weight_sync/generator_{k}": v for k, v in result.items()}},
+                            relayed=True)
                         await self._pulled(chain[position], version, result["sent_bytes"])
                 # Serving generators that did not get it: downstream of one lost on the way.
                 generators = [(i, h) for p, (i, h) in enumerate(generators)
@@ -168,6 +176,34 @@ class WeightPush:
             attempt += 1
         if attempt:  # from the first send to the last generator's pull, attempts included
             self.totals.timings["weight_sync/relay_s"] = time.perf_counter() - start
+
+    def _trace(self, index: int, version: int, start: float, end: float,
+               timings: dict[str, float], *, relayed: bool) -> None:
+        """Generator ``index``'s part of the push on its "weight push" track: the whole push as
+        the controller saw it (its args: the timings), and in it the phases with the durations
+        the trainer and the generator measured, placed one after another: gather, send (shared
+        memory: until every rank pulled, convert and load ending there; relay: the trainer's
+        sends, convert and load ending at the generator's reply)."""
+        trace = self.router.trace
+        if trace is None:
+            return
+        pid = GENERATOR_PID + index
+        trace.span("weight push", f"push v{version}", start, end, pid=pid,
+                   **{k.removeprefix("weight_sync/"): round(v, 6) for k, v in timings.items()})
+        gather_end = min(end, start + timings.get("weight_sync/gather_s", 0.0))
+        if gather_end > start:
+            trace.span("weight push", "gather", start, gather_end, pid=pid)
+        sent = timings.get("weight_sync/send_s" if relayed else "weight_sync/pull_s", 0.0)
+        sent_end = min(end, gather_end + sent)
+        trace.span("weight push", "send" if relayed else "send and pull", gather_end, sent_end,
+                   pid=pid)
+        load_end = end if relayed else sent_end
+        floor = sent_end if relayed else gather_end
+        load_start = max(floor, load_end - timings.get("weight_sync/generator_load_s", 0.0))
+        convert_start = max(floor,
+                            load_start - timings.get("weight_sync/generator_convert_s", 0.0))
+        trace.span("weight push", "convert", convert_start, load_start, pid=pid)
+        trace.span("weight push", "load", load_start, load_end, pid=pid)
 
     async def _pulled(self, generator: GeneratorHandle, version: int, moved: float) -> None:
         """``generator`` serves ``version`` now."""

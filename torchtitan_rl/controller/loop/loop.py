@@ -53,7 +53,9 @@ from torchtitan_rl.controller.rollout_workers.pool import RolloutWorkerLostError
 from torchtitan_rl.controller.supervision import RunFailedError
 from torchtitan_rl.faults import maybe_hold, maybe_kill
 from torchtitan_rl.generator import GeneratorLostError
+from torchtitan_rl.generator.engine_stats import engine_metrics, trace_engine_steps
 from torchtitan_rl.metrics.logger import MetricsLogger
+from torchtitan_rl.metrics.step_breakdown import BREAKDOWN_PREFIX
 from torchtitan_rl.rollout import rollout_group_to_training_samples, rollout_metrics
 from torchtitan_rl.rollout.advantage import BATCH_WHITENED, whiten_advantages
 from torchtitan_rl.rollout.recorder import RolloutRecorder
@@ -63,6 +65,7 @@ from torchtitan_rl.rollout.types import RolloutGroup
 from torchtitan_rl.task import Task
 from torchtitan_rl.trainer.loss import PolicyLoss
 from torchtitan_rl.trainer.off_policy import OffPolicyCorrection, token_tis
+from torchtitan_rl.trainer.timeline import trace_trainer_ranks
 from torchtitan_rl.trainer.trainer import TrainerClient
 from torchtitan_rl.types import GenerateFn, Sampling, TrainingSample
 
@@ -241,6 +244,10 @@ class TrainingLoop(Configurable):
         self._constant_answer_done = False
         self.wall_s = {"validation": 0.0, "steps": 0.0, "checkpoints": 0.0}
         """Where this loop's wall time went (summary.json's breakdown)."""
+        self._step_mark = time.perf_counter()
+        """Where the next step's wall time starts: the end of the previous step's push."""
+        self._tail_s = {"validate": 0.0, "checkpoint": 0.0}
+        """Validation and checkpoint seconds since the last step's push (the next step's)."""
         self._cpu_mark = 0.0
         """The controller's CPU time (time.process_time) where the next step's window starts."""
         self._replaced_since_step: list[int] = []
@@ -252,6 +259,7 @@ class TrainingLoop(Configurable):
     async def run(self) -> None:
         """Validate before (unless resumed past it), train to num_steps, validate after."""
         validator = self.parts.validator
+        self._step_mark = time.perf_counter()  # the first step's wall time holds validation 0
         if validator.enabled and not self.state.validation_history:
             await self.validate(self.state.step)
         await self._restore_groups()
@@ -364,9 +372,15 @@ class TrainingLoop(Configurable):
         skipped = self._count_skipped(step, train_metrics)
         if not skipped:  # else: the weights did not change
             push_metrics = await parts.generators.push_weights(version)
+        # vLLM's own numbers, read before the next step's groups can start (with S = 0 a step's
+        # window then holds its own generation, and the validation before it)
+        engine_reports = await parts.generators.take_engine_stats()
         await self.gate.publish_version(version)
         end = time.perf_counter()
 
+        trace = parts.metrics.trace
+        if trace.enabled:  # each trainer rank's forward/backward/optimizer spans
+            trace_trainer_ranks(trace, await parts.trainer.take_timeline())
         state.step = version
         state.trained_group_ids.extend(group_ids)
         self._log_trained(step, group_ids, samples)
@@ -381,10 +395,12 @@ class TrainingLoop(Configurable):
             "time/train_s": push_start - train_start,
             "time/sync_s": end - push_start,
             "time/step_s": step_s,
+            **self._breakdown(start, train_start, push_start, end),
             "throughput/generated_tokens_per_s": num_tokens / max(step_s, 1e-9),
             "throughput/num_training_samples": float(len(samples)),
             **self.idle_ratios.end_step(trainer_busy_s=end - train_start),
             **parts.generators.metrics(),
+            **engine_metrics(engine_reports),
             **self._worker_metrics(),
             "generator/groups_restarted_after_loss": float(self.num_groups_restarted),
             # the controller's Python heap in pymalloc blocks (cheap; a long run's leak shows)
@@ -398,10 +414,10 @@ class TrainingLoop(Configurable):
         if "rollout_reward/mean" in metrics:
             state.reward_history.append((step, metrics["rollout_reward/mean"]))
         parts.metrics.log(step, metrics)
-        trace = parts.metrics.trace
         trace.span("steps", "wait for batch", start, train_start, step=step, groups=len(taken))
         trace.span("steps", "train", train_start, push_start, step=step, samples=len(samples))
         trace.span("steps", "push", push_start, end, step=step, version=version)
+        trace_engine_steps(trace, engine_reports)
         parts.recorder.maybe_record(step, groups, parts.tokenizer)
         if self.progress is not None:
             self._postfix = {
@@ -420,10 +436,26 @@ class TrainingLoop(Configurable):
             await parts.checkpointer.save(parts.trainer, state)
             self.num_checkpoints += 1
             self.wall_s["checkpoints"] += time.perf_counter() - checkpoint_start
+            self._tail_s["checkpoint"] += time.perf_counter() - checkpoint_start
             parts.metrics.trace.span("steps", "checkpoint", checkpoint_start,
                                      time.perf_counter(), step=version)
             maybe_kill("kill_controller_after_checkpoints", self.num_checkpoints)
         self._cpu_mark = time.process_time()  # metrics, validation, checkpoints: not rollouts
+
+    def _breakdown(self, start: float, train_start: float, push_start: float,
+                   end: float) -> dict[str, float]:
+        """Where the step's wall time went (metrics/step_breakdown.py): from the previous step's
+        push to this one's, the validation and checkpoint between them, the wait for the batch,
+        training, the push, and the rest (the previous step's records); the parts sum to
+        ``time/step_wall_s``."""
+        parts = {"validate": self._tail_s["validate"], "checkpoint": self._tail_s["checkpoint"],
+                 "wait_for_batch": train_start - start, "train": push_start - train_start,
+                 "push": end - push_start}
+        step_wall_s = end - self._step_mark
+        parts["bookkeeping"] = step_wall_s - sum(parts.values())
+        self._step_mark, self._tail_s = end, {"validate": 0.0, "checkpoint": 0.0}
+        return {"time/step_wall_s": step_wall_s,
+                **{f"{BREAKDOWN_PREFIX}{part}_s": seconds for part, seconds in parts.items()}}
 
     def _worker_metrics(self) -> dict[str, float]:
         """The rollout workers' share of the router and resume counts (they route themselves)."""
@@ -523,6 +555,7 @@ class TrainingLoop(Configurable):
                     result.reward_mean, result.reward_stderr, result.num_rollouts, per_turn,
                     extra=CONSOLE)
         self.wall_s["validation"] += time.perf_counter() - start
+        self._tail_s["validate"] += time.perf_counter() - start
         parts.metrics.trace.span("steps", "validation", start, time.perf_counter(), step=step,
                                  reward=result.reward_mean)
 
