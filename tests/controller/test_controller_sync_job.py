@@ -318,6 +318,16 @@ def test_a_task_defined_only_in_tests_runs_a_real_job_from_a_toml_file(letters_t
     assert all(len(record["group_ids"]) == 2 for record in trained)
     assert all(r["group_dropped"] is None for r in rollouts)
     assert not {r["group_id"] for r in rollouts} & set(replaced)
+    # The greedy reference (validation.greedy_reference): measured once, at the first validation,
+    # logged, kept in the summary and drawn in reward_curve.png beside validation's line.
+    summary = json.loads((run_dir / "summary.json").read_text())
+    greedy = summary["greedy_reward_before"]
+    assert isinstance(greedy, float) and 0.0 <= greedy <= 1.0
+    assert metrics[0]["validation/greedy_reward"] == greedy
+    assert "validation/greedy_reward" not in metrics[2]  # the last validation: not measured again
+    firsts = [line for line in (proc.stdout + proc.stderr).splitlines()
+              if "validation step=0" in line]
+    assert len(firsts) == 1 and f"greedy answers {greedy:.4f}" in firsts[0], proc.stderr[-3000:]
 
 
 @pytest.mark.slow

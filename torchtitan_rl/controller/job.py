@@ -374,6 +374,7 @@ def _write_summary(plan: ResolvedJob, state: ControllerState, resumed: dict[str,
         "rise_stderr": change.stderr if change else None,
         "rise_z": change.z if change else None,
         "reward_after_per_turn": state.validation_per_turn,
+        "greedy_reward_before": state.greedy_reward,
         "steps": state.step,
         "wall_s": round(time.perf_counter() - wall_start, 1),
         **report,
@@ -443,7 +444,8 @@ async def _make_model(plan: ResolvedJob) -> None:
 
 def _plot(state: ControllerState, run_dir: pathlib.Path) -> None:
     """reward_curve.png: each step's training reward (faint) and its moving average over
-    `SMOOTHING_STEPS` steps, and every validation with its standard error (clustered by episode)."""
+    `SMOOTHING_STEPS` steps, every validation with its standard error (clustered by episode), and
+    the start's greedy reward as a reference line (`validation.greedy_reference`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -462,6 +464,9 @@ def _plot(state: ControllerState, run_dir: pathlib.Path) -> None:
         steps, means, errs = zip(*state.validation_history)
         ax.errorbar(steps, means, yerr=errs, color="tab:orange", marker="o", capsize=4,
                     linewidth=2, label="validation reward (+- standard error)")
+    if state.greedy_reward is not None:
+        ax.axhline(state.greedy_reward, color="tab:gray", linestyle="--", linewidth=1.5,
+                   label="the start's greedy answers (where sharpening leads)")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)

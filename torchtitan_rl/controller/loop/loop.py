@@ -528,7 +528,8 @@ class TrainingLoop(Configurable):
         self.num_validations += 1
         await maybe_hold("hold_controller_at_validations", self.num_validations)
         start = time.perf_counter()
-        result = await parts.validator.run(parts.generate_fn, parts.sampling)
+        result = await parts.validator.run(parts.generate_fn, parts.sampling,
+                                           greedy_reference=not self.state.validation_history)
         self._check_task_errors(f"validation at step {step}", result.task_errors,
                                 result.num_rollouts)
         if not self._constant_answer_done:
@@ -540,6 +541,7 @@ class TrainingLoop(Configurable):
         parts.recorder.record_validation(step, result.groups, parts.tokenizer)
         if not self.state.validation_history:
             self.state.first_validation_episode_means = result.episode_means
+            self.state.greedy_reward = result.greedy_reward
         self.state.validation_history.append((step, result.reward_mean, result.reward_stderr))
         self.state.validation_per_turn = result.per_turn
         self.state.last_validation_episode_means = result.episode_means
@@ -551,6 +553,8 @@ class TrainingLoop(Configurable):
                            ) if len(result.per_turn) > 1 else ""
         if self.constant_answer is not None:
             per_turn += f"; {self.constant_answer.describe()}"
+        if result.greedy_reward is not None:
+            per_turn += f"; greedy answers {result.greedy_reward:.4f}"
         logger.info("validation step=%d reward=%.4f +- %.4f (%d rollouts%s)", step,
                     result.reward_mean, result.reward_stderr, result.num_rollouts, per_turn,
                     extra=CONSOLE)

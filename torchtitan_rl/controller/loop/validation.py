@@ -33,6 +33,7 @@ from torchtitan_rl.types import GenerateFn, Sampling
 logger = logging.getLogger(__name__)
 
 VALIDATION_GROUP_OFFSET = 1 << 40
+GREEDY_REFERENCE_GROUP_OFFSET = VALIDATION_GROUP_OFFSET + (1 << 39)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -52,6 +53,9 @@ class ValidationResult:
     constant_answer_reward: float | None = None
     """What the same episodes score with the task's most frequent answer (constant_answer.py);
     None where the task gives no such baseline."""
+    greedy_reward: float | None = None
+    """The same episodes' mean reward with greedy answers (`greedy_reference`); None when not
+    measured."""
 
     def metrics(self, prefix: str = "validation") -> dict[str, float]:
         metrics = {f"{prefix}/reward_mean": self.reward_mean,
@@ -59,6 +63,8 @@ class ValidationResult:
                    **{f"{prefix}/{key}": value for key, value in self.per_turn.items()}}
         if self.constant_answer_reward is not None:
             metrics[f"{prefix}/constant_answer_reward"] = self.constant_answer_reward
+        if self.greedy_reward is not None:
+            metrics[f"{prefix}/greedy_reward"] = self.greedy_reward
         return metrics
 
 
@@ -74,6 +80,11 @@ class Validator(Configurable):
         """0 = greedy."""
         every_steps: int = 0
         """Also validate every this many steps; 0 = only before the first and after the last."""
+        greedy_reference: bool = False
+        """At the first validation, also score the same episodes with greedy answers (temperature
+        0, one per episode): the level sampled validation approaches as GRPO sharpens the policy
+        it starts from (docs/main_job.md), logged as ``validation/greedy_reward``, kept in
+        summary.json and drawn as a reference line in reward_curve.png."""
 
         def __post_init__(self) -> None:
             for name in ("num_prompts", "every_steps"):
@@ -99,28 +110,19 @@ class Validator(Configurable):
     def due(self, step: int) -> bool:
         return self.enabled and self.config.every_steps > 0 and step % self.config.every_steps == 0
 
-    async def run(self, generate_fn: GenerateFn, sampling: Sampling) -> ValidationResult:
+    async def run(self, generate_fn: GenerateFn, sampling: Sampling, *,
+                  greedy_reference: bool = False) -> ValidationResult:
+        """Validate; with ``greedy_reference`` (and `Config.greedy_reference`) also measure the
+        greedy reward of the same episodes."""
         cfg = self.config
-        num = cfg.num_prompts
-        sampling = dataclasses.replace(sampling, temperature=cfg.temperature)
-
-        async def run_group(i: int) -> RolloutGroup:
-            for attempt in itertools.count():
-                try:
-                    return await self.rollouter.run_group_rollouts(
-                        generate_fn, self.dataset[i], VALIDATION_GROUP_OFFSET + i,
-                        cfg.samples_per_prompt, sampling, attempt=attempt,
-                    )
-                except GeneratorLostError as e:  # restarted whole, as training groups are
-                    logger.warning("validation group %d restarts: %s", i, e)
-            raise AssertionError("unreachable")
-
-        try:
-            async with asyncio.TaskGroup() as tasks:  # one failing group stops its siblings
-                running = [tasks.create_task(run_group(i)) for i in range(num)]
-        except ExceptionGroup as group_error:
-            raise group_error.exceptions[0] from None  # the cause, not a wrapper
-        groups = [task.result() for task in running]
+        groups = await self._run_groups(
+            generate_fn, dataclasses.replace(sampling, temperature=cfg.temperature),
+            cfg.samples_per_prompt, VALIDATION_GROUP_OFFSET)
+        greedy_reward = None
+        if greedy_reference and cfg.greedy_reference:
+            greedy = await self._run_groups(generate_fn, dataclasses.replace(
+                sampling, temperature=0.0), 1, GREEDY_REFERENCE_GROUP_OFFSET)
+            greedy_reward = statistics.fmean(r for g in greedy for r in g.rewards)
         rewards = [r for g in groups for r in g.rewards]
         mean = statistics.fmean(rewards) if rewards else float("nan")
         episode_means = [statistics.fmean(g.rewards) if g.rewards else float("nan")
@@ -130,7 +132,27 @@ class Validator(Configurable):
         return ValidationResult(reward_mean=mean, reward_stderr=clustered_stderr(episode_means),
                                 num_rollouts=len(rewards), per_turn=per_turn,
                                 episode_means=episode_means, task_errors=task_errors(groups),
-                                groups=groups)
+                                groups=groups, greedy_reward=greedy_reward)
+
+    async def _run_groups(self, generate_fn: GenerateFn, sampling: Sampling,
+                          samples_per_prompt: int, group_offset: int) -> list[RolloutGroup]:
+        async def run_group(i: int) -> RolloutGroup:
+            for attempt in itertools.count():
+                try:
+                    return await self.rollouter.run_group_rollouts(
+                        generate_fn, self.dataset[i], group_offset + i, samples_per_prompt,
+                        sampling, attempt=attempt,
+                    )
+                except GeneratorLostError as e:  # restarted whole, as training groups are
+                    logger.warning("validation group %d restarts: %s", i, e)
+            raise AssertionError("unreachable")
+
+        try:
+            async with asyncio.TaskGroup() as tasks:  # one failing group stops its siblings
+                running = [tasks.create_task(run_group(i)) for i in range(self.config.num_prompts)]
+        except ExceptionGroup as group_error:
+            raise group_error.exceptions[0] from None  # the cause, not a wrapper
+        return [task.result() for task in running]
 
 
 def task_errors(groups: list[RolloutGroup]) -> list[str]:
