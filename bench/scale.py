@@ -24,7 +24,7 @@ default synchronous loop, ``--max-staleness 0``, generation runs alone, so the t
 this machine does not bound it), bytes sent by the busiest process per push
 (``weight_sync/busiest_sender_bytes`` when the push reports it, else ``weight_sync/bytes_moved``:
 the serial push sends everything from trainer rank 0), the model's bytes, push wall seconds
-(``time/sync_s``, median of the measured steps) and the peak RSS of the whole job (summed over the
+(``time/push_s``, median of the measured steps) and the peak RSS of the whole job (summed over the
 child and every process under it, shared library pages counted in each, sampled each second); then,
 over the N, the controller's CPU split into per turn and per step (a least-squares line).
 ``--num-workers`` sets ``rollouter.num_workers`` (rollout-worker actors) where this code has the
@@ -229,7 +229,7 @@ def figures(n: int, steps: list[dict], warmup_steps: int,
         busiest_sender_bytes=mean("weight_sync/busiest_sender_bytes", "weight_sync/bytes_moved"),
         model_bytes=mean("weight_sync/model_bytes"),
         # the median: on a shared 2-core box one push in a few waits for a core (0.04-1.3 s)
-        push_s=statistics.median(s["time/sync_s"] for s in measured),
+        push_s=statistics.median(s["time/push_s"] for s in measured),
         step_s=(measured[-1]["bench/wall_s"] - wall0) / len(measured))
 
 

@@ -632,7 +632,7 @@ def run_ours(config: str, model_dir: str, seed: int, steps: int, out: pathlib.Pa
     return {**run, "hf": out / name / "hf",
             "step_s": [m["time/step_s"] for m in trained],
             "generate_s": [m["time/generate_s"] for m in trained],
-            "train_s": [m["time/train_s"] + m["time/sync_s"] for m in trained],
+            "train_s": [m["time/train_s"] + m["time/push_s"] for m in trained],
             "tokens": [m["throughput/generated_tokens_per_s"] * m["time/step_s"]
                        for m in trained],
             "rewards": [m.get("rollout_reward/mean", float("nan")) for m in trained],

@@ -27,7 +27,7 @@ All are medians over ``--iters`` after one warm-up. The lines are key=value; the
 with on one machine (``trainer.weight_transport = "auto"`` and ``generator.weight_sync.load =
 "auto"`` pick shared memory and in-place copies there; across machines "auto" is the message):
 
-    bench=weight_sync size=small transport=shared_memory load=in_place ... sync_s=... ratio=...
+    bench=weight_sync size=small transport=shared_memory load=in_place ... push_s=... ratio=...
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ async def run(size: str, iters: int, num_threads: int) -> dict[tuple[str, str], 
             transport_s = [m["weight_sync/pull_s"] - cl for m, cl in zip(metrics, convert_and_load)]
             results[(transport, load)] = {
                 "bytes": metrics[0]["weight_sync/model_bytes"],
-                "sync_s": statistics.median(times),
+                "push_s": statistics.median(times),
                 "load_s": statistics.median(convert_and_load),
                 "handoff_s": statistics.median(transport_s),
                 "gather_s": statistics.median(m["weight_sync/gather_s"] for m in metrics),
@@ -158,8 +158,8 @@ def main() -> None:
             f"bench=weight_sync size={args.size} transport={transport} load={load} "
             f"bytes={int(r['bytes'])} "
             f"gather_s={r['gather_s']:.4f} stage_s={r['stage_s']:.4f} handoff_s={r['handoff_s']:.4f} convert_s={r['convert_s']:.4f} convert_and_load_s={r['load_s']:.4f} "
-            f"sync_s={r['sync_s']:.4f} memcpy_s={r['memcpy_s']:.4f} "
-            f"ratio={r['sync_s'] / r['memcpy_s']:.2f}"
+            f"push_s={r['push_s']:.4f} memcpy_s={r['memcpy_s']:.4f} "
+            f"ratio={r['push_s'] / r['memcpy_s']:.2f}"
         )
 
 

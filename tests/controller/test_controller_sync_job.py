@@ -59,7 +59,7 @@ def test_three_step_sync_run_logs_finite_metrics_tensorboard_and_checkpoints(uni
     for step in range(3):
         for key in ("loss/value", "loss/ratio_mean", "loss/clipped_frac", "rollout_reward/mean",
                     "rollout_reward/std", "rollout/num_turns", "batcher/pct_pad_in_batch",
-                    "time/generate_s", "time/train_s", "time/sync_s",
+                    "time/generate_s", "time/train_s", "time/push_s",
                     "throughput/generated_tokens_per_s", "trainer/grad_norm"):
             assert key in metrics[step], (step, key)
             assert math.isfinite(metrics[step][key]), (step, key, metrics[step][key])
@@ -128,7 +128,7 @@ def test_each_steps_wall_time_is_broken_down_and_the_engines_report_their_own_nu
         assert all(seconds >= 0 for seconds in parts.values()), (step, parts)
         assert sum(parts.values()) == pytest.approx(m["time/step_wall_s"], abs=1e-9)
         assert parts["wait_for_batch"] == m["time/generate_s"]
-        assert parts["train"] == m["time/train_s"] and parts["push"] == m["time/sync_s"]
+        assert parts["train"] == m["time/train_s"] and parts["push"] == m["time/push_s"]
         if step:  # the trace's clock is the loop's: the push ends are the step boundaries
             assert m["time/step_wall_s"] * 1e6 == pytest.approx(
                 push_ends[step] - push_ends[step - 1], abs=5.0)

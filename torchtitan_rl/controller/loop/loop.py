@@ -393,7 +393,7 @@ class TrainingLoop(Configurable):
             **push_metrics,
             "time/generate_s": train_start - start,
             "time/train_s": push_start - train_start,
-            "time/sync_s": end - push_start,
+            "time/push_s": end - push_start,
             "time/step_s": step_s,
             **self._breakdown(start, train_start, push_start, end),
             "throughput/generated_tokens_per_s": num_tokens / max(step_s, 1e-9),
