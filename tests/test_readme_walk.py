@@ -47,6 +47,8 @@ NOT_OPENED: dict[str, str] = {
                                         "metrics (trainer.loss.off_policy)",
     "torchtitan_rl.trainer.critic": "PPO's critic (trainer.critic.enabled)",
     "torchtitan_rl.trainer.reference": "the KL term's reference model (trainer.loss.kl_coef > 0)",
+    "torchtitan_rl.trainer.minibatches": "several updates a step (trainer.num_minibatches, "
+                                         "trainer.ppo_epochs)",
     "torchtitan_rl.trainer.lora": "LoRA adapters (trainer.lora.enabled)",
     "torchtitan_rl.assets.make_model": "the base model's digest (a LoRA checkpoint)",
     "torchtitan_rl.weight_sync.lora_pull": "an adapter push (trainer.lora.push)",

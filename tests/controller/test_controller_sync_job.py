@@ -280,6 +280,8 @@ def _config(*argv: str) -> RLJob.Config:
     (["--loop.partial_rollout", "abort"],
      "loop.partial_rollout='abort' needs loop.staleness.max_staleness >= 1"),
     (["--generator.seed", "3"], "generator.seed: a job's parts take the job's seed"),
+    (["--trainer.num_minibatches", "9", "--loop.groups_per_step", "8"],
+     "trainer.num_minibatches=9 is more mini-batches than a step has groups"),
     (["--warm_start.enabled"], "warm_start.enabled needs a task that solves its episodes"),
 ])
 def test_cross_field_errors_name_the_fields(tiny_model_dir, argv, message):
@@ -308,6 +310,9 @@ def test_a_task_defined_only_in_tests_runs_a_real_job_from_a_toml_file(letters_t
     rollouts = [json.loads(line) for line in recorded.splitlines()]
     assert all(r["advantage"] == r["reward"] for r in rollouts if not r["group_dropped"])
     assert all(math.isfinite(metrics[step]["loss/objective"]) for step in (0, 1))
+    # trainer.num_minibatches = 2, ppo_epochs = 2: four updates a step, one policy version
+    assert all(metrics[step]["trainer/num_updates"] == 4 for step in (0, 1))
+    assert [metrics[step]["trainer/policy_version"] for step in (0, 1)] == [1, 2]
     # Dynamic sampling: a broken prompt's group (all its rollouts error_env) has no signal; each
     # was replaced, none trained.
     trained = [json.loads(line) for line in (run_dir / "trained_samples.jsonl").read_text(

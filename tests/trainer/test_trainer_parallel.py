@@ -1,5 +1,5 @@
 """Two gloo ranks (FSDP dp_shard=2, or TP=2) give the loss, gradients and updated weights of one rank,
-training the whole model and training LoRA adapters."""
+training the whole model, LoRA adapters, and several updates a step."""
 
 from __future__ import annotations
 
@@ -65,6 +65,16 @@ def _step(core: PolicyTrainerCore, batch: TrainingBatch) -> dict:
     return {"metrics": metrics, "grads": grads, "weights": core.full_model_state_dict()}
 
 
+def _minibatch_step(core: PolicyTrainerCore) -> dict:
+    """Several updates a step (2 mini-batches x 2 epochs), the ratio against the recomputed old
+    policy (the correction on): every rank splits and packs alike."""
+    core.config.num_minibatches, core.config.ppo_epochs = 2, 2
+    core.config.loss.off_policy.enabled = "on"
+    metrics = core.forward_backward_samples(_samples(8), Batcher.Config(seq_len=48))
+    metrics.update(core.optim_step())
+    return {"metrics": metrics, "weights": core.full_model_state_dict()}
+
+
 def _worker(rank: int, world: int, port: int, model_dir: str, parallel: dict, out: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -77,6 +87,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, parallel: dict, ou
     # LoRA adapters (trainer.lora) on the same ranks, in the same process group
     lora = _config(lora_rank=8, **parallel).build(model_dir=model_dir)
     result["lora"] = _step(lora, batch)
+    result["minibatches"] = _minibatch_step(_config(**parallel).build(model_dir=model_dir))
     if rank == 0:
         torch.save(result, out)
     torch.distributed.destroy_process_group()
@@ -101,6 +112,7 @@ def _single_rank(model_dir: pathlib.Path) -> dict:
     batch = Batcher.Config(seq_len=48).build(dp_size=1).pack(_samples(8))
     result = _step(_config().build(model_dir=model_dir), batch)
     result["lora"] = _step(_config(lora_rank=8).build(model_dir=model_dir), batch)
+    result["minibatches"] = _minibatch_step(_config().build(model_dir=model_dir))
     return result
 
 
@@ -110,6 +122,14 @@ def _assert_same_step(two: dict, one: dict) -> None:
     _assert_same_plain_step(two, one)
     assert set(one["lora"]["grads"]) == set(LoRA.adapter_state_dict(one["lora"]["grads"]))
     _assert_same_plain_step(two["lora"], one["lora"])
+    mine, theirs = two["minibatches"], one["minibatches"]
+    assert theirs["metrics"]["trainer/num_updates"] == 4
+    assert abs(theirs["metrics"]["loss/ratio_mean_last"] - 1) > 1e-6  # the weights moved
+    for key in ("loss/value", "loss/ratio_mean", "loss/ratio_mean_last", "loss/num_valid_tokens"):
+        assert mine["metrics"][key] == pytest.approx(theirs["metrics"][key], rel=1e-5,
+                                                     abs=1e-6), key
+    for name, weight in theirs["weights"].items():
+        torch.testing.assert_close(mine["weights"][name], weight, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _assert_same_plain_step(two: dict, one: dict) -> None:

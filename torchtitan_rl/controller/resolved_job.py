@@ -142,6 +142,11 @@ class ResolvedJob:
                 "loop.partial_rollout='abort' needs generator.weight_sync.mode='hot_swap', got "
                 f"{generator.weight_sync.mode!r}"
             )
+        if self.trainer.num_minibatches > self.loop.groups_per_step:
+            raise ConfigError(
+                f"trainer.num_minibatches={self.trainer.num_minibatches} is more mini-batches "
+                f"than a step has groups (loop.groups_per_step={self.loop.groups_per_step})"
+            )
         degrees = [g.tensor_parallel_degree for g in self.generators]
         if self.verify_weight_push and set(degrees) != {1}:
             raise ConfigError(

@@ -51,6 +51,7 @@ from torchtitan_rl.trainer.loss import (
     finalize_loss_metrics,
     token_logprobs_and_entropy,
 )
+from torchtitan_rl.trainer.minibatches import combine_update_metrics, split_groups
 from torchtitan_rl.trainer.reference import ReferencePolicy
 from torchtitan_rl.trainer.timeline import RankTimeline
 from torchtitan_rl.trainer.weights import PolicyWeights
@@ -118,11 +119,22 @@ class PolicyTrainerCore(Configurable):
         """PPO's value model and GAE advantages (trainer/critic.py); off by default."""
         lora: LoRA.Config = dataclasses.field(default_factory=LoRA.Config)
         """Low-rank adapters on a frozen base (trainer/lora.py); off by default."""
+        num_minibatches: int = 1
+        """k: a step's groups split into this many mini-batches of whole groups, each its own
+        optimizer update (verl's ppo_mini_batch_size = groups per step / k; SkyRL's
+        policy_mini_batch_size); at most loop.groups_per_step. >= 1 (trainer/minibatches.py)."""
+        ppo_epochs: int = 1
+        """e: passes over the step's mini-batches (verl's ppo_epochs, TRL's num_iterations,
+        SkyRL's update_epochs_per_batch); k * e updates a step, one policy version. With k * e > 1
+        the old policy's logprobs are recomputed before the first update. >= 1."""
         debug_batch_log: str = ""
         """Debugging and tests ("" = off): a JSONL file, one line per microbatch each rank trains
         on: input_ids, positions, document_ids, loss_mask, advantages (trainer/batch_log.py)."""
 
         def __post_init__(self) -> None:
+            for name in ("num_minibatches", "ppo_epochs"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
             if self.lr_warmup_steps < 0:
                 raise ValueError(f"lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
             if self.max_grad_norm is not None and self.max_grad_norm <= 0:
@@ -148,6 +160,11 @@ class PolicyTrainerCore(Configurable):
                     "data_parallel_shard_degree must be -1 or >= 1, got "
                     f"{self.data_parallel_shard_degree}"
                 )
+
+        @property
+        def num_updates(self) -> int:
+            """Optimizer updates a step: num_minibatches * ppo_epochs."""
+            return self.num_minibatches * self.ppo_epochs
 
     def __init__(self, config: Config, *, model_dir: str | os.PathLike | None = None) -> None:
         if not config.flavor and model_dir is None:
@@ -243,8 +260,44 @@ class PolicyTrainerCore(Configurable):
                                  batcher: Batcher.Config) -> dict[str, float]:
         """Pack ``samples`` into the batch every rank packs alike (first-fit decreasing is
         deterministic) and run this rank's column of it: the controller sends samples, not a
-        padded grid, and does no per-token work."""
-        return self.forward_backward(batcher.build(dp_size=self.dp_size).pack(samples))
+        padded grid, and does no per-token work. With several updates a step, every update but
+        the last is stepped here (minibatches.py); ``optim_step`` takes the last."""
+        packer = batcher.build(dp_size=self.dp_size)
+        if self.config.num_updates == 1:
+            return self.forward_backward(packer.pack(samples))
+        return combine_update_metrics(self.minibatch_updates(samples, packer),
+                                      num_minibatches=self.config.num_minibatches)
+
+    def minibatch_updates(self, samples: list[TrainingSample], packer: Batcher
+                          ) -> list[dict[str, float]]:
+        """The step's k * e updates (trainer/minibatches.py), each update's metrics; the last
+        update's gradients are left for ``optim_step``."""
+        self.utilization.start()
+        start = time.perf_counter()
+        minibatches = [packer.pack(part)
+                       for part in split_groups(samples, self.config.num_minibatches)]
+        for batch in minibatches:
+            if batch.dp_size != self.dp_size:
+                raise ValueError(f"batch has dp_size {batch.dp_size}, the trainer has "
+                                 f"{self.dp_size}")
+        old_logprobs = ([self._old_logprobs(batch) for batch in minibatches]
+                        if self._ratio_against_old_policy else [None] * len(minibatches))
+        critic_targets: list[list[CriticTargets] | None] = [None] * len(minibatches)
+        if self.critic is not None:  # GAE once, from the values before the first update
+            flat = self._critic_targets(minibatches)
+            for i, batch in enumerate(minibatches):
+                critic_targets[i], flat = (flat[:batch.num_microbatches],
+                                           flat[batch.num_microbatches:])
+        prepare_s = time.perf_counter() - start
+        updates: list[dict[str, float]] = []
+        for _ in range(self.config.ppo_epochs):
+            for batch, old, targets in zip(minibatches, old_logprobs, critic_targets):
+                if updates:  # the previous update's AdamW step
+                    updates[-1].update(self._apply_gradients(self._lr_at(self.policy_version)))
+                updates.append(self._forward_backward(batch, old_logprobs=old,
+                                                      critic_targets=targets))
+        updates[0]["trainer/old_logprobs_s"] = prepare_s
+        return updates
 
     def forward_backward(self, batch: TrainingBatch) -> dict[str, float]:
         """Run this rank's microbatches of ``batch``, accumulate gradients; return step metrics
@@ -252,14 +305,25 @@ class PolicyTrainerCore(Configurable):
         if batch.dp_size != self.dp_size:
             raise ValueError(f"batch has dp_size {batch.dp_size}, the trainer has {self.dp_size}")
         self.utilization.start()
+        return self._forward_backward(batch)
+
+    def _forward_backward(self, batch: TrainingBatch, *,
+                          old_logprobs: list[torch.Tensor] | None = None,
+                          critic_targets: list[CriticTargets] | None = None) -> dict[str, float]:
+        """One update's forward/backward of this rank's microbatches; ``old_logprobs`` (the old
+        policy's, per microbatch) and ``critic_targets`` computed before the step's first
+        update, or here (one update a step)."""
         start = time.perf_counter()
         self.model.train()
         sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
         maxima = torch.zeros(len(MAX_KEYS), dtype=torch.float64)
-        critic_targets = self._critic_targets(batch) if self.critic is not None else None
+        if self.critic is not None and critic_targets is None:
+            critic_targets = self._critic_targets([batch])
         for index, data in enumerate(self._microbatches(batch)):
             if critic_targets is not None:
                 data["advantages"] = critic_targets[index].advantages
+            if old_logprobs is not None:
+                data["old_logprobs"] = old_logprobs[index]
             self.utilization.count(data["document_ids"])
             if self.batch_log is not None:
                 self.batch_log.write(policy_version=self.policy_version, dp_rank=self.dp_rank,
@@ -308,10 +372,32 @@ class PolicyTrainerCore(Configurable):
             policy_versions=data["policy_versions"],
             policy_version=self.policy_version,
             positions=data["positions"],
+            old_logprobs=data.get("old_logprobs"),
         )
 
-    def _critic_targets(self, batch: TrainingBatch) -> list[CriticTargets]:
-        """GAE advantages and returns of this rank's microbatches, before any update."""
+    @property
+    def _ratio_against_old_policy(self) -> bool:
+        """Whether the PPO ratio is the trainer's own (against the old policy, recomputed when a
+        step has several updates) rather than the generator's logprobs (minibatches.py)."""
+        loss = self.config.loss
+        return loss.ratio_reference == "trainer" or loss.off_policy.active
+
+    @torch.no_grad()
+    def _old_logprobs(self, batch: TrainingBatch) -> list[torch.Tensor]:
+        """The current weights' logprob of every label of this rank's microbatches (float32, on
+        the device): the old policy of the step's updates."""
+        self.model.eval()
+        result = []
+        for data in self._microbatches(batch):
+            logprobs, _ = token_logprobs_and_entropy(self._forward(self.model, data),
+                                                     data["labels"])
+            result.append(logprobs.float())
+        self.model.train()
+        return result
+
+    def _critic_targets(self, batches: list[TrainingBatch]) -> list[CriticTargets]:
+        """GAE advantages and returns of this rank's microbatches of ``batches`` (in order),
+        before any update, whitened over all of them."""
         assert self.critic is not None
         penalised_rewards = None
         if self.config.loss.kl_placement == "reward":
@@ -324,7 +410,8 @@ class PolicyTrainerCore(Configurable):
                                                          data["labels"])
                 return reference.penalised_rewards(data, logprobs)
 
-        return self.critic.step_targets(self._microbatches(batch), reduce_sums=self._reduce_sums,
+        microbatches = (data for batch in batches for data in self._microbatches(batch))
+        return self.critic.step_targets(microbatches, reduce_sums=self._reduce_sums,
                                         penalised_rewards=penalised_rewards)
 
     def optim_step(self) -> dict[str, float]:
@@ -333,10 +420,23 @@ class PolicyTrainerCore(Configurable):
         A non-finite gradient norm (a NaN/Inf loss, or NaN logprobs in the batch) skips the AdamW
         step: the weights and the optimizer state stay as they were (``trainer/skipped_step`` 1).
         The norm is reduced over every rank, so every rank takes the same decision."""
-        from torchtitan.distributed import utils as dist_utils
-
         start = time.perf_counter()
         lr = self._lr_at(self.policy_version)
+        metrics = self._apply_gradients(lr)
+        self.policy_version += 1
+        return {
+            **self.utilization.finish(),
+            **metrics,
+            "trainer/lr": lr,
+            "trainer/policy_version": float(self.policy_version),
+            "trainer/optim_step_s": time.perf_counter() - start,
+        }
+
+    def _apply_gradients(self, lr: float) -> dict[str, float]:
+        """Clip, AdamW (and the critic's) at ``lr`` unless a gradient norm is non-finite, zero
+        the gradients; the norms and whether the step was skipped."""
+        from torchtitan.distributed import utils as dist_utils
+
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         max_norm = self.config.max_grad_norm
@@ -345,43 +445,31 @@ class PolicyTrainerCore(Configurable):
             foreach=True,
         )
         finite = bool(torch.isfinite(grad_norm))
-        critic_metrics: dict[str, float] = {}
+        metrics: dict[str, float] = {}
         if self.critic is not None:
             critic_norm = self.critic.clip_gradients()
             finite = finite and bool(torch.isfinite(critic_norm))
             self.critic.step(finite)
-            critic_metrics["critic/grad_norm"] = float(critic_norm)
+            metrics["critic/grad_norm"] = float(critic_norm)
         if finite:
             self.optimizer.step()
         else:
             logger.warning("policy version %d: non-finite grad norm %s: optimizer step skipped",
                            self.policy_version, float(grad_norm))
         self.optimizer.zero_grad(set_to_none=True)
-        self.policy_version += 1
-        return {
-            **self.utilization.finish(),
-            **critic_metrics,
-            "trainer/grad_norm": float(grad_norm),
-            "trainer/skipped_step": 0.0 if finite else 1.0,
-            "trainer/lr": lr,
-            "trainer/policy_version": float(self.policy_version),
-            "trainer/optim_step_s": time.perf_counter() - start,
-        }
+        metrics["trainer/grad_norm"] = float(grad_norm)
+        metrics["trainer/skipped_step"] = 0.0 if finite else 1.0
+        return metrics
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainingBatch) -> torch.Tensor:
         """Logprob of every label in the grid under the current weights: float32
         [num_microbatches, dp_size, rows, seq_len] (0 where there is no target), on CPU, the
         same on every rank (gathered over data-parallel ranks)."""
-        self.model.eval()
         out = torch.zeros(batch.labels.shape, dtype=torch.float32)
-        for index, data in enumerate(self._microbatches(batch)):
-            logits = self._forward(self.model, data)
-            has_target = data["document_ids"] >= 0
-            logprobs, _ = token_logprobs_and_entropy(logits, data["labels"])
-            logprobs = torch.where(has_target, logprobs, 0.0)
-            out[index, self.dp_rank] = logprobs.float().cpu()
-        self.model.train()
+        for index, logprobs in enumerate(self._old_logprobs(batch)):
+            has_target = batch.document_ids[index, self.dp_rank].to(self.device) >= 0
+            out[index, self.dp_rank] = torch.where(has_target, logprobs, 0.0).cpu()
         batch_mesh = self._mesh("batch")
         if batch_mesh is not None and self.dp_size > 1:
             # Each rank filled only its own column; the others are zero, so a sum gathers.

@@ -221,6 +221,7 @@ class PolicyLoss(Configurable):
         policy_versions: torch.Tensor | None = None,
         policy_version: int | None = None,
         positions: torch.Tensor | None = None,
+        old_logprobs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Loss of one microbatch and its metric sums and maxima.
 
@@ -241,6 +242,10 @@ class PolicyLoss(Configurable):
             policy_versions: [...] the policy version that sampled each token, with
                 ``policy_version`` (the trainer's): the mismatch metrics by policy age.
             positions: [...] each token's position in its sample: the mismatch metrics by turn.
+            old_logprobs: [...] the old policy's logprobs (the trainer's weights at the step's
+                start, recomputed; several updates a step, trainer/minibatches.py): the PPO
+                ratio's reference, and the correction weighs old / generator. None: the
+                trainer's own detached logprobs are the old policy (one update a step).
 
         Returns:
             (loss, sums, maxima): loss is this microbatch's share of the step loss.
@@ -252,12 +257,13 @@ class PolicyLoss(Configurable):
         gen = torch.where(valid, generator_logprobs, torch.zeros_like(generator_logprobs))
         logp = trainer_logprobs.float()
         zeros = torch.zeros_like(logp)
-        raw_diff = torch.where(valid, logp.detach() - gen, zeros)
+        old = logp.detach() if old_logprobs is None else old_logprobs.float()
+        raw_diff = torch.where(valid, old - gen, zeros)
 
         if self.correction.config.active:
-            reference = logp.detach()
+            reference = old
         else:
-            reference = gen if cfg.ratio_reference == "generator" else logp.detach()
+            reference = gen if cfg.ratio_reference == "generator" else old
 
         log_ratio = torch.where(valid, logp - reference, zeros)
         log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
