@@ -291,6 +291,13 @@ class EngineLoop:
             self._stop(exc)
             if self.rank == 0:
                 self._tell_peers_to_stop(exc)
+                if self.channel is not None:
+                    # A tensor-parallel group whose loop failed cannot serve again (a peer died
+                    # in a collective, or stops on the error above): ending rank 0 makes Monarch
+                    # report the mesh lost, so the controller replaces the whole generator and
+                    # restarts its groups instead of failing them with this error.
+                    logger.critical("rank 0: exiting so that the generator is replaced")
+                    os._exit(1)
                 # Leave the engine clean for whoever reuses it (best effort: it may be broken).
                 self._executor.submit(self.engine.abort_request, in_engine)
             elif not str(exc).startswith(_RANK0_FAILED):
