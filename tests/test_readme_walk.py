@@ -37,6 +37,7 @@ NOT_OPENED: dict[str, str] = {
     "torchtitan_rl.controller.loop.constant_answer": "validation's constant-answer baseline",
     "torchtitan_rl.controller.supervision": "lost meshes and their replacement",
     "torchtitan_rl.controller.hosts": "where the meshes were spawned (start-up)",
+    "torchtitan_rl.generator.engine_setup": "building a generator's engine loop (start-up)",
     "torchtitan_rl.trainer.parallel": "the model's parallelism, set up once",
     "torchtitan_rl.trainer.checkpoint": "checkpoints",
     "torchtitan_rl.trainer.flops": "MFU metrics",

@@ -6,11 +6,12 @@ import asyncio
 import dataclasses
 import pathlib
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from torchtitan_rl.generator import EngineLoop, Generator, StepStats
+from torchtitan_rl.generator import EngineLoop, Generator
 from torchtitan_rl.types import GenerateRequest, Sampling
 from torchtitan_rl.weight_sync import WeightPuller
 
@@ -44,20 +45,52 @@ def build_engine(config: Generator.Config) -> Any:
     return build(config)
 
 
+@dataclasses.dataclass(kw_only=True, slots=True)
+class StepStats:
+    """One engine step as rank 0 saw it (passed to ``on_step``)."""
+
+    step_index: int
+    num_requests_in_engine: int
+    """Requests in the engine during this step (added, not finished or aborted before it)."""
+    num_finished: int
+    policy_version: int
+
+
+class ObservedEngineLoop(EngineLoop):
+    """An EngineLoop that calls ``on_step`` on the event loop after each engine step's finished
+    outputs are resolved: the tests' hook to act at a chosen step."""
+
+    def __init__(self, engine: Any, *, on_step: Callable[[StepStats], None], **kwargs: Any) -> None:
+        super().__init__(engine, **kwargs)
+        self.on_step = on_step
+
+    def _on_step(self, finished: list[Any]) -> None:
+        num_in_engine = self._ledger.num_in_engine
+        super()._on_step(finished)
+        if self.rank == 0:
+            self.on_step(StepStats(
+                step_index=self.num_steps, num_requests_in_engine=num_in_engine,
+                num_finished=len(finished), policy_version=self.policy_version,
+            ))
+
+
 def new_loop(engine: Any, config: Generator.Config, *, steps: list[StepStats] | None = None,
-             **overrides: Any) -> EngineLoop:
+             on_step: Callable[[StepStats], None] | None = None, **overrides: Any) -> EngineLoop:
     """An EngineLoop over an existing engine, started on the running event loop ('reload' pulls:
-    an in_place engine is set up by start_engine_loop, see tests/weight_sync/test_weight_sync_in_place_pull.py)."""
+    an in_place engine is set up by start_engine_loop, see tests/weight_sync/test_weight_sync_in_place_pull.py).
+    ``steps`` collects each step's StepStats; ``on_step`` is called with them."""
     puller = WeightPuller(config.model_dir)  # type: ignore[arg-type]
     kwargs: dict[str, Any] = dict(
         puller=puller,
         weight_sync=config.weight_sync,
         max_engine_steps_between_decisions=config.max_engine_steps_between_decisions,
         default_sampling=config.sampling,
-        on_step=steps.append if steps is not None else None,
     )
     kwargs.update(overrides)
-    loop = EngineLoop(engine, **kwargs)
+    if steps is not None:
+        on_step = steps.append
+    loop = (EngineLoop(engine, **kwargs) if on_step is None
+            else ObservedEngineLoop(engine, on_step=on_step, **kwargs))
     loop.start()
     return loop
 

@@ -1,11 +1,15 @@
-"""The engine loop's decision rule and the generator configs: pure logic, no vLLM."""
+"""The engine loop's request ledger and decision rule, the pull-version rule and the generator
+configs: pure logic, no vLLM."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from torchtitan_rl.generator import Generator, LoopAction, LoopInbox, WeightSyncPolicy
+from torchtitan_rl.generator import Generator, LoopAction, RequestLedger, WeightSyncPolicy
 from torchtitan_rl.generator.loop_decision import EngineRequest
+from torchtitan_rl.generator.pulls import PendingPulls
 from torchtitan_rl.types import Sampling
 
 
@@ -13,7 +17,17 @@ def _request(rid: str) -> EngineRequest:
     return EngineRequest(request_id=rid, prompt_token_ids=[5, 6], sampling=Sampling())
 
 
-def _admit(inbox: LoopInbox, *rids: str) -> None:
+def _ledger(*, drain_before_pull: bool) -> RequestLedger:
+    """A ledger whose futures belong to a fresh (never run) event loop."""
+    return RequestLedger(drain_before_pull=drain_before_pull, loop=asyncio.new_event_loop())
+
+
+def _left_engine(inbox: RequestLedger, rid: str) -> None:
+    """The request finished (or failed): it leaves the engine and its caller is answered."""
+    inbox.fail(rid, RuntimeError("finished"))
+
+
+def _admit(inbox: RequestLedger, *rids: str) -> None:
     for rid in rids:
         inbox.submit(_request(rid))
     decision = inbox.decide()
@@ -22,25 +36,25 @@ def _admit(inbox: LoopInbox, *rids: str) -> None:
 
 
 def test_idle_inbox_decides_nothing() -> None:
-    assert LoopInbox(drain_before_pull=False).decide() is None
+    assert _ledger(drain_before_pull=False).decide() is None
 
 
 def test_step_admits_queued_requests_in_fcfs_order_then_keeps_stepping_them() -> None:
-    inbox = LoopInbox(drain_before_pull=False)
+    inbox = _ledger(drain_before_pull=False)
     _admit(inbox, "b", "a", "c")
     again = inbox.decide()
     assert again is not None and again.action is LoopAction.STEP and again.requests == []
     for rid in ("b", "a", "c"):
-        inbox.on_left_engine(rid)
+        _left_engine(inbox, rid)
     assert inbox.decide() is None
 
 
 def test_priority_is_close_then_pull_then_abort_then_step() -> None:
-    inbox = LoopInbox(drain_before_pull=False)
+    inbox = _ledger(drain_before_pull=False)
     _admit(inbox, "running")
     inbox.submit(_request("queued"))
     inbox.request_abort(["running"])
-    inbox.request_pull(1, current_version=0)
+    inbox.request_pull(1)
     inbox.request_close()
     close = inbox.decide()
     assert close is not None and close.action is LoopAction.CLOSE
@@ -57,14 +71,14 @@ def test_priority_is_close_then_pull_then_abort_then_step() -> None:
 
 
 def test_drain_stops_admission_until_running_requests_finish_then_pulls() -> None:
-    inbox = LoopInbox(drain_before_pull=True)
+    inbox = _ledger(drain_before_pull=True)
     _admit(inbox, "running")
-    inbox.request_pull(3, current_version=2)
+    inbox.request_pull(3)
     inbox.submit(_request("waiting"))
     assert inbox.draining
     step = inbox.decide()
     assert step is not None and step.action is LoopAction.STEP and step.requests == []
-    inbox.on_left_engine("running")
+    _left_engine(inbox, "running")
     pull = inbox.decide()
     assert pull is not None and (pull.action, pull.pull_version) == (LoopAction.PULL, 3)
     assert not inbox.draining
@@ -73,7 +87,7 @@ def test_drain_stops_admission_until_running_requests_finish_then_pulls() -> Non
 
 
 def test_news_that_ends_a_burst_is_what_decide_would_act_on() -> None:
-    inbox = LoopInbox(drain_before_pull=False)
+    inbox = _ledger(drain_before_pull=False)
     _admit(inbox, "running")
     assert not inbox.has_news, "running requests alone: keep stepping"
     inbox.submit(_request("new"))
@@ -83,44 +97,44 @@ def test_news_that_ends_a_burst_is_what_decide_would_act_on() -> None:
     inbox.request_abort(["running"])
     assert inbox.has_news
     _ = inbox.decide()
-    inbox.request_pull(1, current_version=0)
+    inbox.request_pull(1)
     assert inbox.has_news
 
-    draining = LoopInbox(drain_before_pull=True)
+    draining = _ledger(drain_before_pull=True)
     _admit(draining, "running")
-    draining.request_pull(1, current_version=0)
+    draining.request_pull(1)
     draining.submit(_request("held"))
     assert not draining.has_news, "a drain holds both the pull and the new request back"
-    draining.on_left_engine("running")
+    _left_engine(draining, "running")
     assert draining.has_news
     draining.request_close()
     assert draining.has_news
 
 
 def test_hot_swap_pulls_while_requests_run() -> None:
-    inbox = LoopInbox(drain_before_pull=False)
+    inbox = _ledger(drain_before_pull=False)
     _admit(inbox, "running")
-    inbox.request_pull(1, current_version=0)
+    inbox.request_pull(1)
     pull = inbox.decide()
     assert pull is not None and pull.action is LoopAction.PULL
     assert list(inbox.in_engine) == ["running"]
 
 
 def test_abort_removes_queued_requests_and_marks_running_ones() -> None:
-    inbox = LoopInbox(drain_before_pull=False)
+    inbox = _ledger(drain_before_pull=False)
     _admit(inbox, "running", "done")
     inbox.submit(_request("queued"))
     removed, marked = inbox.request_abort(["queued", "running", "done", "unknown"])
     assert [r.request_id for r in removed] == ["queued"]
     assert marked == ["running", "done"]
-    inbox.on_left_engine("done")  # finished before the abort decision: nothing to abort
+    _left_engine(inbox, "done")  # finished before the abort decision: nothing to abort
     abort = inbox.decide()
     assert abort is not None and abort.abort_request_ids == ["running"]
     assert inbox.decide() is None
 
 
 def test_abort_all_covers_queued_and_running() -> None:
-    inbox = LoopInbox(drain_before_pull=False)
+    inbox = _ledger(drain_before_pull=False)
     _admit(inbox, "running")
     inbox.submit(_request("queued"))
     removed, marked = inbox.request_abort(None)
@@ -128,15 +142,54 @@ def test_abort_all_covers_queued_and_running() -> None:
 
 
 def test_duplicate_request_ids_and_stale_pull_versions_are_refused() -> None:
-    inbox = LoopInbox(drain_before_pull=False)
+    inbox = _ledger(drain_before_pull=False)
     _admit(inbox, "a")
     with pytest.raises(ValueError, match="'a' is already in flight"):
         inbox.submit(_request("a"))
-    inbox.request_pull(5, current_version=4)
-    with pytest.raises(ValueError, match="must be > 5"):
-        inbox.request_pull(5, current_version=4)
-    with pytest.raises(ValueError, match="must be > 4"):
-        LoopInbox(drain_before_pull=False).request_pull(4, current_version=4)
+
+    async def pulls() -> None:  # the one pull-version rule (every rank, before rank 0's ledger)
+        pending = PendingPulls()
+        pending.check_new(5, current_version=4)
+        pending.deliver(5, weights={})
+        with pytest.raises(ValueError, match="a pull of version 5 is already pending"):
+            pending.check_new(5, current_version=4)
+        with pytest.raises(ValueError, match="must be > 5"):
+            pending.check_new(4, current_version=3)
+        with pytest.raises(ValueError, match="must be > 4"):
+            PendingPulls().check_new(4, current_version=4)
+        pending.entry(7)  # a PULL decision seen before this rank's pull call: not received
+        pending.check_new(7, current_version=4)
+
+    asyncio.run(pulls())
+
+
+def test_the_ledger_answers_every_caller_once_and_checks_its_counts() -> None:
+    """submit -> STEP -> ABORT -> output; a queued abort; fail_all: each future resolves once, the
+    counts add up after every event, and a late output of a failed request is dropped."""
+    inbox = _ledger(drain_before_pull=False)
+    running = inbox.submit(_request("running"))
+    queued = inbox.submit(_request("queued"))
+    decision = inbox.decide()
+    assert decision is not None and [r.request_id for r in decision.requests] == [
+        "running", "queued"]
+    inbox.admitted(decision.requests, {"queued": RuntimeError("vLLM refused it")}, now=0.0)
+    assert isinstance(queued.exception(), RuntimeError)
+    late = inbox.submit(_request("late"))
+    removed, marked = inbox.request_abort(["late", "running"])
+    assert [r.request_id for r in removed] == ["late"] and marked == ["running"]
+    assert inbox.futures_of(marked) == [running]
+    assert late.result().finish_reason == "abort" and late.result().token_ids == []
+    abort = inbox.decide()
+    assert abort is not None and abort.abort_request_ids == ["running"]
+    assert inbox.num_in_engine == 1 and inbox.num_unresolved == 1
+    inbox.fail_all(RuntimeError("closed"))
+    assert isinstance(running.exception(), RuntimeError) and inbox.num_unresolved == 0
+    assert (inbox.num_submitted, inbox.num_resolved) == (3, 3)
+    inbox.fail("running", RuntimeError("late"))  # the engine lets go: dropped, not raised
+    assert inbox.num_in_engine == 0 and inbox.num_gone == 3
+    inbox.num_gone -= 1  # drift: the next event's check names it
+    with pytest.raises(AssertionError, match="3 submitted != 2 gone"):
+        inbox.request_pull(1)
 
 
 def test_weight_sync_policy_rejects_invalid_combinations_in_one_line() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.generator.generator_testlib import (
+    StepStats,
     build_engine,
     greedy,
     new_loop,
@@ -22,7 +23,6 @@ from tests.generator.generator_testlib import (
     run,
     tiny_config,
 )
-from torchtitan_rl.generator import StepStats
 from torchtitan_rl.generator.engine_stats import stats_of as engine_stats_of
 from torchtitan_rl.types import Completion, Sampling
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests.generator.generator_testlib import (
+    StepStats,
     build_engine,
     greedy,
     new_loop,
@@ -19,7 +20,7 @@ from tests.generator.generator_testlib import (
     tiny_config,
     tiny_dir,
 )
-from torchtitan_rl.generator import StepStats, WeightSyncPolicy
+from torchtitan_rl.generator import WeightSyncPolicy
 from torchtitan_rl.models.qwen3 import (
     load_hf_state_dict,
     torchtitan_qwen3_config,

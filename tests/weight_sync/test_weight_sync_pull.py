@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.generator.generator_testlib import (
+    StepStats,
     build_engine,
     greedy,
     new_loop,
@@ -27,7 +28,7 @@ from tests.generator.generator_testlib import (
     tiny_config,
     tiny_dir,
 )
-from torchtitan_rl.generator import StepStats, WeightSyncPolicy
+from torchtitan_rl.generator import WeightSyncPolicy
 from torchtitan_rl.models.qwen3 import (
     load_hf_state_dict,
     torchtitan_qwen3_config,

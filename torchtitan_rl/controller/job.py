@@ -134,6 +134,10 @@ class RLJob(Configurable):
                     "rollouter.group_size must be >= 2 (GRPO compares siblings), got "
                     f"{self.rollouter.group_size}"
                 )
+            if self.trainer.weight_transport == "shared_memory" and self.placement.kind == "process":
+                raise ValueError("trainer.weight_transport='shared_memory' cannot reach the "
+                                 "generators of placement.kind='process' (each simulated host is "
+                                 "a machine of its own); use 'auto' or 'message'")
 
         @property
         def run_dir(self) -> pathlib.Path:

@@ -4,8 +4,8 @@ Public API:
     Generator (actor, Generator.Config), WeightSyncPolicy
     spawn_generator(config, *, name, host=None, procs=None, on_lost=None) -> GeneratorHandle
     GeneratorLostError: a request whose generator died (restart its group)
-    start_engine_loop(config, *, on_step=None, wrap_engine=None) -> EngineLoop   (in-process)
-    EngineLoop, StepStats, LoopInbox, LoopAction, LoopDecision
+    start_engine_loop(config) -> EngineLoop   (in-process)
+    EngineLoop, RequestLedger, LoopAction, LoopDecision
 
 A GeneratorHandle (and a bound ``EngineLoop.generate``) is a ``GenerateFn``; weights are pushed to
 its actor mesh (``handle.actors``). How pulled weights reach vLLM: torchtitan_rl/weight_sync/pull.py.
@@ -13,9 +13,11 @@ its actor mesh (``handle.actors``). How pulled weights reach vLLM: torchtitan_rl
 
 from torchtitan_rl.generator.client import GeneratorHandle, GeneratorLostError, spawn_generator
 from torchtitan_rl.generator.config import WeightSyncPolicy
-from torchtitan_rl.generator.engine_loop import EngineLoop, StepStats, start_engine_loop
+from torchtitan_rl.generator.engine_loop import EngineLoop
+from torchtitan_rl.generator.engine_setup import start_engine_loop
 from torchtitan_rl.generator.generator import Generator
-from torchtitan_rl.generator.loop_decision import LoopAction, LoopDecision, LoopInbox
+from torchtitan_rl.generator.loop_decision import LoopAction, LoopDecision
+from torchtitan_rl.generator.request_ledger import RequestLedger
 
 __all__ = [
     "EngineLoop",
@@ -24,8 +26,7 @@ __all__ = [
     "GeneratorLostError",
     "LoopAction",
     "LoopDecision",
-    "LoopInbox",
-    "StepStats",
+    "RequestLedger",
     "WeightSyncPolicy",
     "spawn_generator",
     "start_engine_loop",

@@ -19,7 +19,7 @@
 
 Use it through `spawn_generator` / `GeneratorHandle` (generator/client.py), which call the endpoints with the
 right fan-out. Without Monarch (tests, benchmarks, a torchrun launch) `start_engine_loop(config)`
-(engine_loop.py: start_engine_loop) builds the same `EngineLoop` in-process.
+(generator/engine_setup.py) builds the same `EngineLoop` in-process.
 
 Invariants: rank 0 alone decides; every rank applies the same decisions in the same order; every
 engine call of a rank runs in that rank's one engine thread; every future resolves or fails.
@@ -39,12 +39,13 @@ from typing import Any
 import torch
 from monarch.actor import Actor, Port, concurrent_endpoint, current_rank
 
+from torchtitan_rl import faults
 from torchtitan_rl.batched_calls import ReplyBatcher
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.console import configure_process_logging
-from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.generator.config import GeneratorConfig
-from torchtitan_rl.generator.engine_loop import EngineLoop, start_engine_loop
+from torchtitan_rl.generator.engine_loop import EngineLoop
+from torchtitan_rl.generator.engine_setup import start_engine_loop
 from torchtitan_rl.generator.engine_stats import EngineStatsReport
 from torchtitan_rl.generator.engine_stats import stats_of as engine_stats_of
 from torchtitan_rl.generator.vllm_engine import unlink_cpu_tp_segments
@@ -75,13 +76,10 @@ class Generator(Actor, Configurable):
         self._num_calls_waiting = 0
         self._no_calls_waiting = asyncio.Event()
         self._no_calls_waiting.set()
-        self.num_generate_calls = 0
         self._host_stager: SharedMemoryStager | None = None
         self._relay: RelayNode | None = None
         self._mesh: Any = None
         """This generator's own actor mesh (from the relay's chain): rank 0 calls its peers."""
-        self._num_first_relay_chunks = 0
-        """Chunks of the first relayed push seen (the fault point kill_generator_mid_relay)."""
         self._outcomes: ReplyBatcher[GenerateOutcome] = ReplyBatcher(_error_as_text)
         """submit() outcomes, sent per reply port at the end of the event-loop turn."""
 
@@ -110,8 +108,7 @@ class Generator(Actor, Configurable):
         async with self._waiting_call():
             generating = []
             for key, request in requests:
-                self.num_generate_calls += 1
-                maybe_kill("kill_generator_after_requests", self.num_generate_calls)
+                faults.point("generator.request_received")
                 task = asyncio.ensure_future(self._loop().generate(request))
                 task.add_done_callback(functools.partial(self._queue_outcome, replies, key))
                 generating.append(task)
@@ -159,9 +156,8 @@ class Generator(Actor, Configurable):
         forwarded at once to ``chain[position + 1]`` and stored; when the push is whole, every
         rank pulls it. Sent by broadcast (no reply), so it must not raise."""
         try:
-            if (position, chunk.policy_version, chunk.attempt) == (1, 1, 0):
-                self._num_first_relay_chunks += 1
-                maybe_kill("kill_generator_mid_relay", self._num_first_relay_chunks)
+            faults.point("generator.relay_chunk_received",
+                         key=(position, chunk.policy_version, chunk.attempt))
             if chain is not None:  # a sender's first chunk of a push
                 self._mesh = chain[position]
             if self._relay is None:
@@ -220,6 +216,11 @@ class Generator(Actor, Configurable):
         an engine that reports none (the stand-in)."""
         stats = engine_stats_of(self._loop().engine)
         return stats.take() if stats is not None else None
+
+    @concurrent_endpoint
+    async def record_finished_digest(self) -> None:
+        """Every rank (tests): hash every output finished from now on (``get_finished_digest``)."""
+        self._loop().record_finished_digest()
 
     @concurrent_endpoint
     async def get_finished_digest(self) -> tuple[int, int, str]:

@@ -179,10 +179,9 @@ class Rollouter(Configurable):
         Raises what generate_fn raised (the siblings are cancelled and their envs closed).
         ``attempt`` > 0: a restart of the group (its generator was lost); its request ids carry
         ``/attempt=N`` so they never meet a cancelled sibling's request still in an engine, and
-        its seeds stay the same."""
+        its seeds stay the same. ``group_size`` (default ``config.group_size``) is checked by the
+        config that holds it (validation.samples_per_prompt for validation groups)."""
         size = self.config.group_size if group_size is None else group_size
-        if size < 1:
-            raise ValueError(f"group_size must be >= 1, got {size}")
         sampling = sampling if sampling is not None else Sampling()
         try:
             async with asyncio.TaskGroup() as tasks:

@@ -69,10 +69,7 @@ class TokenEnv:
         step_timeout_s: float | None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        if max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-        if max_rollout_tokens < 2:
-            raise ValueError(f"max_rollout_tokens must be >= 2, got {max_rollout_tokens}")
+        """``max_turns`` and ``max_rollout_tokens``: `Rollouter.Config`'s, checked there."""
         self._env = message_env
         self._tokenizer = tokenizer
         self._chat_template_kwargs = dict(chat_template_kwargs or {})

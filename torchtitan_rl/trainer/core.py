@@ -37,8 +37,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from torchtitan_rl import faults
 from torchtitan_rl.config.configurable import Configurable
-from torchtitan_rl.faults import nan_loss_due
 from torchtitan_rl.trainer.batch_log import BatchLog
 from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
 from torchtitan_rl.trainer.critic import CriticTargets, ValueCritic
@@ -330,7 +330,7 @@ class PolicyTrainerCore(Configurable):
                                      microbatch=index, data=data)
             with self.timeline.span("forward", microbatch=index):
                 loss, mb_sums, mb_max = self._policy_loss(data, batch)
-            if nan_loss_due(self.policy_version):  # fault injection (tests)
+            if faults.point("trainer.loss", self.policy_version):  # a NaN loss (tests)
                 loss = loss * float("nan")
             if critic_targets is not None:
                 loss = loss + self.critic.value_loss(data, critic_targets[index],

@@ -46,9 +46,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from monarch.actor import Actor, concurrent_endpoint
 
+from torchtitan_rl import faults
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.console import configure_process_logging
-from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.trainer.batcher import Batcher, TrainingBatch
 from torchtitan_rl.trainer.core import PolicyTrainerCore
 from torchtitan_rl.trainer.timeline import TimelineEvent
@@ -136,8 +136,8 @@ class PolicyTrainer(Actor, Configurable):
     async def optim_step(self) -> dict[str, float]:
         with self.core.timeline.span("optimizer"):
             metrics = self.core.optim_step()
-        if self.restart == 0:  # a restored trainer trains the killed step again: once is enough
-            maybe_kill("kill_trainer_after_steps", self.core.policy_version)
+        # key: a restored trainer trains the killed step again, and is spared
+        faults.point("trainer.optimizer_step_done", self.core.policy_version, key=self.restart)
         return metrics
 
     @concurrent_endpoint

@@ -34,7 +34,6 @@ from typing import Any, Literal
 
 import torch
 
-from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.weight_sync.pull import weight_mismatches
 from torchtitan_rl.weight_sync.shared_memory import SharedMemoryStager, SharedTensorRef
 
@@ -50,7 +49,10 @@ def choose_transport(setting: str, *, generator: str, generator_machine: str,
     """How pushes reach one generator, and why: ``setting`` is ``trainer.weight_transport``
     (auto | message | shared_memory). Shared memory needs the trainer's machine; a host the
     placement makes a machine of its own (``separate_machines``: placement.kind='process')
-    counts as another machine."""
+    counts as another machine. ``setting`` 'shared_memory' with a placement that makes hosts
+    machines of their own is refused by the job's config (controller/job.py) before anything is
+    spawned; a generator the placement put on another machine is known only once it runs, and
+    raises RuntimeError here, naming the setting."""
     same_machine = generator_machine == trainer_machine and not separate_machines
     where = ("on the trainer's machine" if same_machine else
              f"{generator_machine} is not the trainer's {trainer_machine}"
@@ -59,8 +61,8 @@ def choose_transport(setting: str, *, generator: str, generator_machine: str,
     if setting == "auto":
         return ("shared_memory" if same_machine else "message"), f"auto: {where}"
     if setting == "shared_memory" and not same_machine:
-        raise ConfigError(f"trainer.weight_transport='shared_memory' cannot reach {generator}: "
-                          f"{where}; use 'auto' or 'message'")
+        raise RuntimeError(f"trainer.weight_transport='shared_memory' cannot reach {generator}: "
+                           f"{where}; use 'auto' or 'message'")
     assert setting in WEIGHT_TRANSPORTS, setting
     return setting, "trainer.weight_transport"  # type: ignore[return-value]
 

@@ -34,6 +34,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
+from torchtitan_rl import faults
 from torchtitan_rl.config.configurable import Configurable
 from torchtitan_rl.console import CONSOLE
 from torchtitan_rl.controller.checkpoint.checkpointer import (
@@ -51,7 +52,6 @@ from torchtitan_rl.controller.loop.staleness import StalenessGate
 from torchtitan_rl.controller.loop.validation import Validator, task_errors
 from torchtitan_rl.controller.rollout_workers.pool import RolloutWorkerLostError, RolloutWorkerPool
 from torchtitan_rl.controller.supervision import RunFailedError
-from torchtitan_rl.faults import maybe_hold, maybe_kill
 from torchtitan_rl.generator import GeneratorLostError
 from torchtitan_rl.generator.engine_stats import engine_metrics, trace_engine_steps
 from torchtitan_rl.metrics.logger import MetricsLogger
@@ -333,7 +333,7 @@ class TrainingLoop(Configurable):
                                   replaceable=group.dropped):
             self.state.replaced_group_ids.append(group_id)
             self._replaced_since_step.append(group_id)
-        maybe_kill("kill_controller_after_groups", self.num_finished)
+        faults.point("controller.group_finished", self.num_finished)
 
     async def _run_group(self, group_id: int,
                          attempt: int) -> tuple[RolloutGroup, list[TrainingSample]]:
@@ -439,7 +439,7 @@ class TrainingLoop(Configurable):
             self._tail_s["checkpoint"] += time.perf_counter() - checkpoint_start
             parts.metrics.trace.span("steps", "checkpoint", checkpoint_start,
                                      time.perf_counter(), step=version)
-            maybe_kill("kill_controller_after_checkpoints", self.num_checkpoints)
+            faults.point("controller.checkpoint_written", self.num_checkpoints)
         self._cpu_mark = time.process_time()  # metrics, validation, checkpoints: not rollouts
 
     def _breakdown(self, start: float, train_start: float, push_start: float,
@@ -526,7 +526,7 @@ class TrainingLoop(Configurable):
     async def validate(self, step: int) -> None:
         parts = self.parts
         self.num_validations += 1
-        await maybe_hold("hold_controller_at_validations", self.num_validations)
+        await faults.point_async("controller.validation_started", self.num_validations)
         start = time.perf_counter()
         result = await parts.validator.run(parts.generate_fn, parts.sampling,
                                            greedy_reference=not self.state.validation_history)

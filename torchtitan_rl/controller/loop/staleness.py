@@ -36,7 +36,8 @@ replacements run out depends on that order, and it trains nothing.
 
 Invariant of the counters, checked on every event::
 
-    num_admitted == num_running + num_finished_waiting + num_consumed + num_replaced
+    num_admitted == (running + finished, not yet consumed) + num_consumed + num_replaced
+    num_admitted - num_replaced <= capacity
 """
 
 from __future__ import annotations
@@ -110,10 +111,6 @@ class StalenessGate(Configurable, Generic[ResultT]):
     @property
     def num_running(self) -> int:
         return sum(e.phase is GroupPhase.RUNNING for e in self._entries.values())
-
-    @property
-    def num_finished_waiting(self) -> int:
-        return sum(e.phase is GroupPhase.FINISHED for e in self._entries.values())
 
     # ---- events (every one re-checks the invariants and wakes waiters) -------------------------
     async def admit(self, limit: int | None = None) -> tuple[int, int]:

@@ -34,10 +34,10 @@ from typing import Any
 
 from monarch.actor import Actor, Port, concurrent_endpoint
 
+from torchtitan_rl import faults
 from torchtitan_rl.assets.tokenizer import load_tokenizer
 from torchtitan_rl.batched_calls import ReplyBatcher
 from torchtitan_rl.console import configure_process_logging
-from torchtitan_rl.faults import maybe_kill
 from torchtitan_rl.generator import Generator, GeneratorHandle, GeneratorLostError
 from torchtitan_rl.generator.partial_rollout import ResumingGenerateFn
 from torchtitan_rl.generator.router import GeneratorRouter
@@ -193,8 +193,7 @@ class RolloutWorker(Actor):
             if self._groups.get(key) is task:
                 del self._groups[key]
         self.num_finished += 1
-        if self.first_of_pool:
-            maybe_kill("kill_rollout_worker_after_groups", self.num_finished)
+        faults.point("rollout_worker.group_finished", self.num_finished, key=self.first_of_pool)
         return self._outcome(key, group_id, group)
 
     def _outcome(self, key: int, group_id: int, group: RolloutGroup | None, *,
