@@ -26,7 +26,7 @@ from tests.controller.jobs import (
 from torchtitan_rl.config.errors import ConfigError
 from torchtitan_rl.config.manager import parse_args
 from torchtitan_rl.controller.job import RLJob
-from torchtitan_rl.metrics import step_breakdown
+from torchtitan_rl.metrics import step_breakdown, trace_plot
 from torchtitan_rl.train import main
 
 
@@ -152,7 +152,7 @@ def test_each_steps_wall_time_is_broken_down_and_the_engines_report_their_own_nu
 
 
 @pytest.mark.slow
-def test_the_run_writes_its_timeline_for_perfetto(uninterrupted_run):
+def test_the_run_writes_its_timeline_for_perfetto(uninterrupted_run, tmp_path):
     """trace.json (metrics/trace.py) in the Trace Event Format Perfetto and chrome://tracing
     read: valid JSON once closed; the controller's tracks named; every step's wait, train and
     push in order without overlap; validations and checkpoints; each routed request one async
@@ -211,6 +211,10 @@ def test_the_run_writes_its_timeline_for_perfetto(uninterrupted_run):
         for e in rank:  # wall clock mapped onto the controller's: within a millisecond
             assert any(t["ts"] - 1e3 <= e["ts"] and e["ts"] + e["dur"] <= t["ts"] + t["dur"] + 1e3
                        for t in trains), e
+    # drawn offline as a Gantt chart (metrics/trace_plot.py), step 1 alone and the whole run
+    for steps in ((1, 1), None):
+        out = trace_plot.plot(run_dir / "trace.json", tmp_path / f"timeline-{steps}.png", steps)
+        assert out.read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.slow
