@@ -204,3 +204,84 @@ def test_passk_credits_only_the_best_rollout_by_its_margin() -> None:
     single, reason = group_advantages([1.0, 0.5], [True, False], advantage_std="none",
                                       estimator="grpo_passk")
     assert single == [0.0, None] and reason == "zero_std"
+
+
+def test_gdpo_normalises_each_reward_part_in_the_group_then_sums() -> None:
+    # GDPO (arXiv 2601.05242): a format part in {0, 1} and a correctness part in {0, 0.1}.
+    # Summed first (GRPO), the large part decides: [1.1, 1, 1, 0] -> rollout 0 0.19 above 1.
+    # Part by part: format [1, 1, 1, 0] has mean 0.75 and sample std 0.5 -> [0.5, 0.5, 0.5, -1.5];
+    # correct [0.1, 0, 0, 0] has mean 0.025, std 0.05 -> [1.5, -0.5, -0.5, -0.5]; the sum
+    # [2, 0, 0, -2] gives the small part its own weight.
+    formats, corrects = [1.0, 1.0, 1.0, 0.0], [0.1, 0.0, 0.0, 0.0]
+    counted = [True] * 4
+    advantages, reason = group_advantages(
+        [f + c for f, c in zip(formats, corrects)], counted, advantage_std="sample",
+        estimator="gdpo", components=[formats, corrects])
+    assert reason is None
+    f, c = 0.5 + STD_EPS, 0.05 + STD_EPS  # each part's std + eps
+    assert advantages == pytest.approx([0.25 / f + 0.075 / c, 0.25 / f - 0.025 / c,
+                                        0.25 / f - 0.025 / c, -0.75 / f - 0.025 / c], rel=1e-9)
+    assert advantages[0] == pytest.approx(2.0, rel=1e-4) and advantages[1] == pytest.approx(
+        0.0, abs=1e-4)
+    grpo, _ = group_advantages([f + c for f, c in zip(formats, corrects)], counted,
+                               advantage_std="sample", estimator="grpo")
+    assert grpo[0] - grpo[1] < 0.2 and advantages[0] - advantages[1] > 1.9  # 0.19 vs 2
+    # Weights (verl's gdpo_reward_weights): 1 * format + 2 * correct = [3.5, -0.5, -0.5, -2.5]
+    weighted, _ = group_advantages([0.0] * 4, counted, advantage_std="none", estimator="gdpo",
+                                   components=[[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]],
+                                   component_weights=[1.0, 2.0])
+    assert weighted == pytest.approx([0.25 + 1.5, 0.25 - 0.5, 0.25 - 0.5, -0.75 - 0.5])
+    # An uncounted rollout stays out; a group whose parts all tie has no signal; without
+    # parts the reward is the one part (GRPO's advantage, then the step's whitening).
+    partial, _ = group_advantages([0.0] * 3, [True, True, False], advantage_std="none",
+                                  estimator="gdpo", components=[[1.0, 0.0, 7.0]])
+    assert partial == [0.5, -0.5, None]
+    _, tied = group_advantages([1.0, 1.0], [True, True], advantage_std="sample",
+                               estimator="gdpo", components=[[1.0, 1.0], [0.0, 0.0]])
+    assert tied == "zero_std"
+    alone, _ = group_advantages([1.0, 0.0, 0.5], [True] * 3, advantage_std="sample",
+                                estimator="gdpo")
+    plain, _ = group_advantages([1.0, 0.0, 0.5], [True] * 3, advantage_std="sample",
+                                estimator="grpo")
+    assert alone == plain
+
+
+def test_gdpo_reads_the_envs_reward_parts_and_is_whitened_over_the_step() -> None:
+    from tests.rollout.rollout_testlib import ScriptedGenerate, run, tiny_tokenizer
+    from torchtitan_rl.rollout.advantage import BATCH_WHITENED
+    from torchtitan_rl.rollout.message_env import EnvStep, MessageEnv
+    from torchtitan_rl.types import Sampling
+
+    class TwoParts(MessageEnv):
+        """One turn; the reply's first letter sets a format part and a correctness part."""
+
+        async def init(self):  # type: ignore[no-untyped-def]
+            return [{"role": "user", "content": "answer"}]
+
+        async def step(self, assistant_message):  # type: ignore[no-untyped-def]
+            reply = assistant_message["content"]
+            return EnvStep(done=True, reward_parts={"format": float(reply[0] in "abc"),
+                                                    "correct": 0.1 * (reply[0] == "a")})
+
+    replies = ["a", "b", "c", "d"]  # format [1, 1, 1, 0], correct [0.1, 0, 0, 0]
+    gen = ScriptedGenerate(lambda rid, _: replies[int(rid.split("rollout=")[1].split("/")[0])])
+
+    def group(**overrides):  # type: ignore[no-untyped-def]
+        config = Rollouter.Config(group_size=4, step_timeout_s=5.0, advantage="gdpo",
+                                  **overrides)
+        rollouter = config.build(tokenizer=tiny_tokenizer(), make_env=lambda _: TwoParts())
+        return run(rollouter.run_group_rollouts(gen, {"episode_id": "e"}, 0,
+                                                sampling=Sampling(max_tokens=4, seed=1)))
+
+    assert group().advantages == pytest.approx([2.0, 0.0, 0.0, -2.0], rel=1e-4, abs=1e-4)
+    # One named part: correctness alone; weights per named part.
+    assert group(gdpo_reward_parts=["correct"]).advantages == pytest.approx(
+        [1.5, -0.5, -0.5, -0.5], rel=1e-4)
+    assert group(gdpo_reward_parts=["format", "correct"],
+                 gdpo_reward_weights=[0.0, 2.0]).advantages == pytest.approx(
+        [3.0, -1.0, -1.0, -1.0], rel=1e-4)
+    assert "gdpo" in BATCH_WHITENED
+    with pytest.raises(ValueError, match="one weight per gdpo_reward_parts entry"):
+        Rollouter.Config(gdpo_reward_parts=["a"], gdpo_reward_weights=[1.0, 2.0])
+    with pytest.raises(ValueError, match="'gdpo' needs credit 'rollout'"):
+        Rollouter.Config(advantage="gdpo", credit="turn")

@@ -21,6 +21,13 @@ group). Let G be the number of rollouts that count and r the mean of their rewar
                                                    A = (r_max - r_second) / d, every other 0:
                                                    pass@k training (arXiv 2503.19595, as
                                                    verl's "grpo_passk"); d as "grpo"'s
+    "gdpo"                   A_i = sum_k w_k (r_ik - mean_k) / (std_k + eps), then whitened
+                                                   over the step's batch: GDPO (Liu et al. 2026,
+                                                   arXiv 2601.05242; verl's "gdpo"): each reward
+                                                   part k (``MessageEnv`` reward_parts, summed
+                                                   over the rollout's turns) normalised in the
+                                                   group on its own, std as "grpo"'s, so one
+                                                   part's scale does not drown another's
     "gae"                    per token, from a learned critic's values in the trainer (PPO:
                                                    trainer/critic.py); the group's A_i = r_i here
                                                    only decides whether the group has a signal
@@ -47,7 +54,7 @@ from typing import Literal
 from torchtitan_rl.types import TrainingSample
 
 AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo",
-                             "grpo_passk", "gae"]
+                             "grpo_passk", "gdpo", "gae"]
 AdvantageStd = Literal["sample", "population", "none"]
 
 STD_EPS = 1e-6
@@ -113,6 +120,18 @@ def grpo_passk(values: list[float], advantage_std: AdvantageStd,
     return advantages
 
 
+def gdpo(components: list[list[float]], advantage_std: AdvantageStd,
+         weights: list[float] | None = None) -> list[float]:
+    """sum_k w_k * grpo(components[k]) per rollout: ``components[k]`` is reward part k of every
+    rollout (w_k = 1 when ``weights`` is None)."""
+    weights = weights if weights is not None else [1.0] * len(components)
+    total = [0.0] * len(components[0])
+    for weight, values in zip(weights, components, strict=True):
+        for i, advantage in enumerate(grpo(values, advantage_std)):
+            total[i] += weight * advantage
+    return total
+
+
 def _denominator(values: list[float], advantage_std: AdvantageStd) -> float:
     return group_std(values, advantage_std) + STD_EPS if advantage_std != "none" else 1.0
 
@@ -126,19 +145,23 @@ ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
     "reinforce_pp_baseline": reinforce_pp_baseline,
     "opo": opo,
     "grpo_passk": grpo_passk,
+    "gdpo": reinforce_pp,  # group_advantages calls gdpo() with the reward parts
     "gae": reinforce_pp,  # the trainer replaces it with the critic's GAE
 }
 
-BATCH_WHITENED = frozenset({"reinforce_pp", "reinforce_pp_baseline"})
+BATCH_WHITENED = frozenset({"reinforce_pp", "reinforce_pp_baseline", "gdpo"})
 """Estimators whose group advantages the loop whitens over each step's batch."""
 
 
 def group_advantages(
     rewards: list[float], counted: list[bool], *, advantage_std: AdvantageStd,
     estimator: AdvantageEstimator = "grpo", lengths: list[int] | None = None,
+    components: list[list[float]] | None = None, component_weights: list[float] | None = None,
 ) -> tuple[list[float | None], str | None]:
     """(advantage per rollout, reason the group has no learning signal or None). ``lengths``:
-    each rollout's generated tokens (read by "opo").
+    each rollout's generated tokens (read by "opo"). ``components``: per reward part, its value
+    for every rollout, and ``component_weights`` theirs (read by "gdpo"; None: the reward is the
+    one part); "gdpo"'s group has no signal when no part has any spread.
 
     Example: rewards [1, 0, 0.5, 0.2], counted [T, T, T, F], grpo with advantage_std "none"
     -> mean 0.5 -> advantages [0.5, -0.5, 0.0, None], reason None. With "sample" the same group
@@ -160,6 +183,11 @@ def group_advantages(
         return [None] * len(rewards), "all_errored"
     counted_lengths = ([n for n, c in zip(lengths, counted) if c] if lengths is not None
                        else None)
+    if estimator == "gdpo":
+        parts = [[v for v, c in zip(part, counted) if c] for part in (components or [rewards])]
+        computed = iter(gdpo(parts, advantage_std, component_weights if components else None))
+        spread = any(group_std(part, "population") > 0.0 for part in parts)
+        return [next(computed) if c else None for c in counted], (None if spread else "zero_std")
     computed = iter(ADVANTAGE_ESTIMATORS[estimator](values, advantage_std, counted_lengths))
     advantages = [next(computed) if c else None for c in counted]
     return advantages, ("zero_std" if group_std(values, "population") == 0.0 else None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -92,7 +93,17 @@ class Rollouter(Configurable):
         (leave-one-out baseline), "reinforce_pp" and "reinforce_pp_baseline" (REINFORCE++: no
         baseline or the group mean, then whitened over each step's batch), "opo"
         (length-weighted baseline), "grpo_passk" (pass@k: only the best rollout, by its margin
-        over the second), "gae" (PPO: from the trainer's critic, needs trainer.critic.enabled)."""
+        over the second), "gdpo" (each reward part normalised in the group on its own, summed,
+        then whitened over the step: multi-reward tasks), "gae" (PPO: from the trainer's critic,
+        needs trainer.critic.enabled)."""
+        gdpo_reward_parts: list[str] = dataclasses.field(default_factory=list)
+        """"gdpo": the reward parts (names in the env's ``reward_parts``, summed over a
+        rollout's turns; a part a rollout never reported is 0) normalised one by one (verl's
+        gdpo_reward_keys). Empty: every part any rollout of the group reported, in name order;
+        none reported: the reward itself, as one part."""
+        gdpo_reward_weights: list[float] = dataclasses.field(default_factory=list)
+        """"gdpo": one weight per ``gdpo_reward_parts`` entry (verl's gdpo_reward_weights,
+        TRL's reward_weights). Empty: 1 each."""
         advantage_std: AdvantageStd = "sample"
         """How "grpo" scales a group's advantages r_i - mean(r). "sample": divided by the group
         reward std with Bessel's correction (n - 1), + 1e-6: GRPO as verl and TRL compute it.
@@ -146,6 +157,14 @@ class Rollouter(Configurable):
             if self.advantage not in ADVANTAGE_ESTIMATORS:
                 raise ValueError(f"advantage must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got "
                                  f"{self.advantage!r}")
+            if self.gdpo_reward_weights and (len(self.gdpo_reward_weights)
+                                             != len(self.gdpo_reward_parts)):
+                raise ValueError(f"gdpo_reward_weights needs one weight per gdpo_reward_parts "
+                                 f"entry ({len(self.gdpo_reward_parts)}), got "
+                                 f"{len(self.gdpo_reward_weights)}")
+            if self.advantage == "gdpo" and self.credit != "rollout":
+                raise ValueError("advantage 'gdpo' needs credit 'rollout' (the reward parts "
+                                 "are the rollout's)")
             if self.credit not in ("rollout", "turn"):
                 raise ValueError(f"credit must be 'rollout' or 'turn', got {self.credit!r}")
             if not 0.0 <= self.turn_discount <= 1.0:
@@ -368,13 +387,25 @@ class Rollouter(Configurable):
                 group.rollouts[i].turns[t].advantage = advantage
         return None if spread else "zero_std"
 
+    def _reward_components(self, group: RolloutGroup) -> list[list[float]] | None:
+        """GDPO's reward parts: per part name, each rollout's sum over its turns (None: no part
+        reported, the reward is the one part)."""
+        names = self.config.gdpo_reward_parts or sorted(
+            {name for r in group.rollouts for t in r.turns for name in t.reward_parts})
+        if not names:
+            return None
+        return [[math.fsum(t.reward_parts.get(name, 0.0) for t in r.turns)
+                 for r in group.rollouts] for name in names]
+
     def _fill_advantages(self, group: RolloutGroup) -> None:
         counted = [not r.status.is_error or self.config.error_reward is not None
                    for r in group.rollouts]
+        components = self._reward_components(group) if self.config.advantage == "gdpo" else None
         advantages, no_signal = group_advantages(
             group.rewards, counted, advantage_std=self.config.advantage_std,
             estimator=self.config.advantage,
-            lengths=[r.num_output_tokens for r in group.rollouts])
+            lengths=[r.num_output_tokens for r in group.rollouts], components=components,
+            component_weights=self.config.gdpo_reward_weights or None)
         for rollout, advantage in zip(group.rollouts, advantages, strict=True):
             rollout.advantage = advantage
         if self.config.credit == "turn" and no_signal != "all_errored":
