@@ -49,6 +49,21 @@ VARIANTS: dict[str, list[str]] = {
     "dynamic_sampling": ["--loop.replace_dropped_groups", "16"],
     "ppo_critic": ["--rollouter.advantage", "gae", "--trainer.critic.enabled", "true",
                    "--trainer.critic.lr", "1e-3"],
+    "dppo_tv": ["--trainer.loss.policy_loss", "dppo_tv"],
+    "dppo_kl": ["--trainer.loss.policy_loss", "dppo_kl"],
+    "sapo": ["--trainer.loss.policy_loss", "sapo", "--trainer.loss.aggregation",
+             "seq-mean-token-mean"],
+    "gmpo": ["--trainer.loss.policy_loss", "gmpo", "--trainer.loss.aggregation",
+             "seq-mean-token-mean", "--trainer.loss.clip_low", "0.4",
+             "--trainer.loss.clip_high", "0.4"],
+    "clip_cov": ["--trainer.loss.policy_loss", "clip_cov"],
+    "kl_cov": ["--trainer.loss.policy_loss", "kl_cov"],
+    "gpg": ["--trainer.loss.policy_loss", "gpg"],
+    "opo": ["--rollouter.advantage", "opo"],
+    "grpo_passk": ["--rollouter.advantage", "grpo_passk"],
+    # GDPO's parts are the rollout's (the main job's turn scores summed): rollout credit
+    "gdpo": ["--rollouter.advantage", "gdpo", "--rollouter.credit", "rollout"],
+    "minibatch_2x2": ["--trainer.num_minibatches", "2", "--trainer.ppo_epochs", "2"],
 }
 
 

@@ -1,8 +1,11 @@
 """The off-policy correction on the asynchronous main job: none, token TIS alone (the old
-default), and the new default (token TIS + IcePop mask), from one warm start, in one run.
+default), and the new default (token TIS + IcePop mask), from one warm start, in one run; and
+several updates a step (k mini-batches x e epochs, ``trainer.num_minibatches`` /
+``trainer.ppo_epochs``) on the same job.
 
     python bench/off_policy.py [--steps 20] [--max-staleness 4] [--seed 0] [--config TOML]
                                [--variants none,token_tis,default] [--out DIR] [-- job options]
+    python bench/off_policy.py --max-staleness 0 --variants default,mb_2x1,mb_1x2,mb_2x2
 
 Each variant is the main job (run_configs/alphabet_sort_cpu.toml: multi-turn AlphabetSort, the
 demo model, its cached warm start), or the run config ``--config`` names, at
@@ -16,7 +19,10 @@ The table, per variant: held-out reward before and after, the rise with its stan
 (paired by episode), the trainer/generator mismatch (``mismatch/k3_token_mean``) at the first
 trained step, the middle one and the last, and its mean over steps; the masked token fraction
 (for "none": what the default menu would have masked) and the mean policy age of the trained
-samples, over steps; the median step time; whether every step was finite. Last line::
+samples, over steps; with several updates a step, the clipped token fraction and the last
+update's mean ratio (``loss/ratio_mean_last``, how far the step's updates moved the policy from
+the one that sampled), over steps; the median step time; whether every step was finite. Last
+line::
 
     variants=<n run> all_finite=<bool> learned=<n with z >= 2>
 """
@@ -41,6 +47,10 @@ VARIANTS: dict[str, list[str]] = {
     "token_tis": [f"{_KEY}enabled", "on", f"{_KEY}token_mask_low", "none",
                   f"{_KEY}token_mask_high", "none"],
     "default": [],  # "auto": on at max_staleness >= 1, token TIS at 2 + token mask [1/8, 8]
+    # several updates a step, the correction as "default": k mini-batches x e epochs
+    "mb_2x1": ["--trainer.num_minibatches", "2"],
+    "mb_1x2": ["--trainer.ppo_epochs", "2"],
+    "mb_2x2": ["--trainer.num_minibatches", "2", "--trainer.ppo_epochs", "2"],
 }
 
 
@@ -54,6 +64,9 @@ def mismatch_series(run_dir: pathlib.Path) -> dict[str, float]:
         "k3_mean": statistics.fmean(k3),
         "masked": statistics.fmean(m["mismatch/masked_token_frac"] for m in trained),
         "age": statistics.fmean(m.get("async/policy_age_mean", 0.0) for m in trained),
+        "clipped": statistics.fmean(m["loss/clipped_frac"] for m in trained),
+        "ratio_last": statistics.fmean(m.get("loss/ratio_mean_last", m["loss/ratio_mean"])
+                                       for m in trained),
     }
 
 
@@ -78,7 +91,8 @@ def main() -> None:
 
     print(f"{'variant':<10} {'before':>7} {'after':>7} {'rise':>7} {'stderr':>7} {'z':>6} "
           f"{'k3_first':>9} {'k3_mid':>9} {'k3_last':>9} {'k3_mean':>9} {'masked':>8} "
-          f"{'age':>5} {'step_s':>7} {'finite':>6}", flush=True)
+          f"{'age':>5} {'clipped':>8} {'ratio_last':>10} {'step_s':>7} {'finite':>6}",
+          flush=True)
     rows = []
     for name in names:
         row = run_variant(name, VARIANTS[name], config=args.config, steps=args.steps,
@@ -91,7 +105,8 @@ def main() -> None:
         print(f"{name:<10} {row['before']:7.4f} {row['after']:7.4f} {row['rise']:+7.4f} "
               f"{row['stderr']:7.4f} {row['z']:6.2f} {row['k3_first']:9.2e} "
               f"{row['k3_mid']:9.2e} {row['k3_last']:9.2e} {row['k3_mean']:9.2e} "
-              f"{row['masked']:8.5f} {row['age']:5.2f} {row['step_s']:7.2f} "
+              f"{row['masked']:8.5f} {row['age']:5.2f} {row['clipped']:8.5f} "
+              f"{row['ratio_last']:10.6f} {row['step_s']:7.2f} "
               f"{str(row['finite']):>6}", flush=True)
     ran = [r for r in rows if "failed" not in r]
     learned = sum(r["z"] is not None and r["z"] >= 2 for r in ran)

@@ -22,7 +22,7 @@ group). Let G be the number of rollouts that count and r the mean of their rewar
                                                    pass@k training (arXiv 2503.19595, as
                                                    verl's "grpo_passk"); d as "grpo"'s
     "gdpo"                   A_i = sum_k w_k (r_ik - mean_k) / (std_k + eps), then whitened
-                                                   over the step's batch: GDPO (Liu et al. 2026,
+                                                   over the step's batch: GDPO (NVIDIA 2026,
                                                    arXiv 2601.05242; verl's "gdpo"): each reward
                                                    part k (``MessageEnv`` reward_parts, summed
                                                    over the rollout's turns) normalised in the
