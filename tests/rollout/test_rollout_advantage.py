@@ -149,6 +149,21 @@ def test_whitening_over_the_step_gives_mean_0_std_1_on_trained_tokens_only() -> 
     assert sum(values) == pytest.approx(0.0, abs=1e-9)
     assert all(a == 0.0 for s in whitened for a, m in zip(s.advantages, s.loss_mask) if not m)
     assert samples[0].advantages[2] != whitened[0].advantages[2]  # copies: the inputs unchanged
+    # The loop's one call: whitened for the batch-whitened estimators only.
+    from torchtitan_rl.rollout.advantage import step_advantages
+
+    assert step_advantages(samples, "reinforce_pp") == whitened
+    assert step_advantages(samples, "gdpo") == whitened
+    assert step_advantages(samples, "grpo") == samples
+
+
+def test_turn_returns_are_the_discounted_rewards_to_go() -> None:
+    from torchtitan_rl.rollout.advantage import turn_returns
+
+    # G_2 = 2, G_1 = 0 + 0.5 * 2 = 1, G_0 = 1 + 0.5 * 1 = 1.5
+    assert turn_returns([1.0, 0.0, 2.0], 0.5) == [1.5, 1.0, 2.0]
+    assert turn_returns([1.0, 0.0, 2.0], 0.0) == [1.0, 0.0, 2.0]
+    assert turn_returns([], 1.0) == []
 
 
 def test_unknown_estimator_is_refused_naming_the_key() -> None:

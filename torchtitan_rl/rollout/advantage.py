@@ -32,7 +32,7 @@ group). Let G be the number of rollouts that count and r the mean of their rewar
                                                    trainer/critic.py); the group's A_i = r_i here
                                                    only decides whether the group has a signal
 
-"Whitened over the step's batch" (``whiten_advantages``, applied by the loop to the samples a
+"Whitened over the step's batch" (``step_advantages``, which the loop applies to the samples a
 step trains on): every trained token's advantage minus the mean over the step's trained tokens,
 divided by their std (Bessel) + eps, as verl's ``masked_whiten``.
 
@@ -191,6 +191,26 @@ def group_advantages(
     computed = iter(ADVANTAGE_ESTIMATORS[estimator](values, advantage_std, counted_lengths))
     advantages = [next(computed) if c else None for c in counted]
     return advantages, ("zero_std" if group_std(values, "population") == 0.0 else None)
+
+
+def turn_returns(rewards: Sequence[float], gamma: float) -> list[float]:
+    """G_t = r_t + gamma * G_{t+1} of every turn (G after the last turn 0): per-turn credit's
+    returns, which the estimator compares across the group's rollouts turn by turn."""
+    to_go, returns = 0.0, []
+    for reward in reversed(rewards):
+        to_go = reward + gamma * to_go
+        returns.append(to_go)
+    return returns[::-1]
+
+
+def step_advantages(samples: Sequence[TrainingSample], estimator: AdvantageEstimator
+                    ) -> list[TrainingSample]:
+    """The step's samples with the advantages they train on: whitened over the step for the
+    estimators in ``BATCH_WHITENED``, as the rollouter gave them otherwise ("gae": the trainer's
+    critic replaces them, trainer/critic.py)."""
+    if estimator in BATCH_WHITENED:
+        return whiten_advantages(samples)
+    return list(samples)
 
 
 def whiten_advantages(samples: Sequence[TrainingSample]) -> list[TrainingSample]:

@@ -32,6 +32,7 @@ from torchtitan_rl.rollout.advantage import (
     AdvantageEstimator,
     AdvantageStd,
     group_advantages,
+    turn_returns,
 )
 from torchtitan_rl.rollout.agent_capture import EpisodeLimits
 from torchtitan_rl.rollout.agent_task import AgentEnv
@@ -369,12 +370,9 @@ class Rollouter(Configurable):
         for i, rollout in enumerate(group.rollouts):
             if rollout.advantage is None or rollout.status.is_error:
                 continue
-            to_go, values = 0.0, []
-            for turn in reversed(rollout.turns):
-                assert turn.reward is not None, "scored rollouts have every turn's reward"
-                to_go = turn.reward + gamma * to_go
-                values.append(to_go)
-            returns[i] = values[::-1]
+            rewards = [t.reward for t in rollout.turns]
+            assert None not in rewards, "scored rollouts have every turn's reward"
+            returns[i] = turn_returns(rewards, gamma)
         spread = False
         for t in range(max((len(v) for v in returns.values()), default=0)):
             reached = [i for i, values in returns.items() if len(values) > t]

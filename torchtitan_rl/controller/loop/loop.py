@@ -57,7 +57,7 @@ from torchtitan_rl.generator.engine_stats import engine_metrics, trace_engine_st
 from torchtitan_rl.metrics.logger import MetricsLogger
 from torchtitan_rl.metrics.step_breakdown import BREAKDOWN_PREFIX
 from torchtitan_rl.rollout import rollout_group_to_training_samples, rollout_metrics
-from torchtitan_rl.rollout.advantage import BATCH_WHITENED, whiten_advantages
+from torchtitan_rl.rollout.advantage import step_advantages
 from torchtitan_rl.rollout.recorder import RolloutRecorder
 from torchtitan_rl.rollout.rollouter import Rollouter
 from torchtitan_rl.rollout.task_errors import summarise_task_errors
@@ -361,8 +361,7 @@ class TrainingLoop(Configurable):
         self._check_task_errors(f"step {step}", task_errors(groups),
                                 sum(len(g.rollouts) for g in groups))
         samples = [s for r in results for s in r.finished.samples]
-        if parts.rollouter.config.advantage in BATCH_WHITENED:
-            samples = whiten_advantages(samples)
+        samples = step_advantages(samples, parts.rollouter.config.advantage)
         group_ids = [g for g, _, _ in taken]
 
         train_metrics = await parts.trainer.train_step(samples, step)
