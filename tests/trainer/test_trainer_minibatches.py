@@ -181,6 +181,31 @@ def test_minibatch_steps_resume_bit_for_bit(tiny_model_dir, tmp_path, setting):
             assert torch.equal(tensor, straight.critic.model.state_dict()[name]), name
 
 
+@pytest.mark.parametrize("nan_updates, skipped_step", [({0}, 0.0), ({0, 1, 2, 3}, 1.0)])
+def test_a_step_is_skipped_only_when_every_update_was(tiny_model_dir, nan_updates, skipped_step):
+    core = _core(tiny_model_dir, num_minibatches=2, ppo_epochs=2)
+    calls = []
+    policy_loss, forward_backward = core._policy_loss, core._forward_backward
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(None)
+        return forward_backward(*args, **kwargs)
+
+    def nan_in_some(*args, **kwargs):  # type: ignore[no-untyped-def]
+        loss, sums, maxima = policy_loss(*args, **kwargs)
+        return (loss * float("nan") if len(calls) - 1 in nan_updates else loss), sums, maxima
+
+    core._forward_backward, core._policy_loss = counted, nan_in_some
+    before = _weights(core)
+    core.forward_backward_samples(_samples(3), BATCHER)
+    metrics = core.optim_step()
+    assert len(calls) == 4 and core.policy_version == 1
+    assert metrics["trainer/num_skipped_updates"] == len(nan_updates)
+    assert metrics["trainer/skipped_step"] == skipped_step
+    after = _weights(core)
+    assert all(torch.equal(before[n], after[n]) for n in before) == (skipped_step == 1.0)
+
+
 def test_minibatch_settings_are_checked() -> None:
     for key in ("num_minibatches", "ppo_epochs"):
         with pytest.raises(ValueError, match=f"trainer.{key} must be >= 1, got 0"):

@@ -237,6 +237,9 @@ class PolicyTrainerCore(Configurable):
         )
         self.policy_version = 0
         """Optimizer steps taken (restored from checkpoints): the version of the current weights."""
+        self._earlier_updates: tuple[int, int] | None = None
+        """With several updates a step: (updates before the last, how many were skipped), for
+        optim_step's ``trainer/skipped_step`` (1 only when no update of the step applied)."""
         self.timeline = RankTimeline()
         """This rank's forward, backward and optimizer spans for the run's trace (timeline.py)."""
         self.utilization = UtilizationMeter(
@@ -290,13 +293,16 @@ class PolicyTrainerCore(Configurable):
                                            flat[batch.num_microbatches:])
         prepare_s = time.perf_counter() - start
         updates: list[dict[str, float]] = []
+        skipped = 0
         for _ in range(self.config.ppo_epochs):
             for batch, old, targets in zip(minibatches, old_logprobs, critic_targets):
                 if updates:  # the previous update's AdamW step
-                    updates[-1].update(self._apply_gradients(self._lr_at(self.policy_version)))
+                    applied = self._apply_gradients(self._lr_at(self.policy_version))
+                    skipped += int(applied["trainer/skipped_step"])
                 updates.append(self._forward_backward(batch, old_logprobs=old,
                                                       critic_targets=targets))
         updates[0]["trainer/old_logprobs_s"] = prepare_s
+        self._earlier_updates = (len(updates) - 1, skipped)
         return updates
 
     def forward_backward(self, batch: TrainingBatch) -> dict[str, float]:
@@ -423,6 +429,12 @@ class PolicyTrainerCore(Configurable):
         start = time.perf_counter()
         lr = self._lr_at(self.policy_version)
         metrics = self._apply_gradients(lr)
+        if self._earlier_updates is not None:  # several updates: skipped only if all were
+            count, skipped = self._earlier_updates
+            skipped += int(metrics["trainer/skipped_step"])
+            metrics["trainer/num_skipped_updates"] = float(skipped)
+            metrics["trainer/skipped_step"] = 1.0 if skipped == count + 1 else 0.0
+            self._earlier_updates = None
         self.policy_version += 1
         return {
             **self.utilization.finish(),

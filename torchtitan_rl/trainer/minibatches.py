@@ -21,7 +21,8 @@ every update (verl's "bypass" mode, GRPO as published): no recompute is needed.
 
 k = e = 1 is today's single update: nothing is split or recomputed, the same bits. Every update
 of a step uses the step's learning rate; a non-finite gradient norm skips that update's AdamW
-step alone.
+step alone (``trainer/num_skipped_updates``), and the step counts as skipped
+(``trainer/skipped_step`` 1: no push) only when every update was.
 
 Metrics of a step with several updates: each ``loss/*``, ``mismatch/*`` and ``critic/*`` value is
 the mean over the updates (``*_max`` the maximum), counts (``loss/num_*``, ``batcher/num_*``) sum
