@@ -7,6 +7,7 @@ called by test_controller_multi_turn_job.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -67,6 +68,12 @@ def test_recorder_keeps_each_token_and_its_generator_logprob_and_writes_the_view
     validation = _embedded(recorder.write_viewer())["sets"]["validation"]
     assert [(r["step"], r["sample_id"]) for r in validation] == [(4, "group=3/rollout=0"),
                                                                  (4, "group=3/rollout=1")]
+    # max_validation_groups: a validation's first episodes only, every sample of each
+    capped = RolloutRecorder.Config(max_validation_groups=1).build(run_dir=tmp_path / "capped")
+    other = dataclasses.replace(group, group_id=4)
+    assert capped.record_validation(6, [group, other], tokenizer)
+    assert [json.loads(line)["sample_id"] for line in capped.validation_path.read_text(
+        ).splitlines()] == ["group=3/rollout=0", "group=3/rollout=1"]
     assert RolloutRecorder.Config(viewer=False).build(run_dir=tmp_path).write_viewer() is None
     assert RolloutRecorder.Config(every_k_steps=0).build(run_dir=tmp_path).write_viewer() is None
 

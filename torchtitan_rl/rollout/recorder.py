@@ -35,6 +35,10 @@ class RolloutRecorder(Configurable):
         """JSONL file, relative to the run directory (parents are created)."""
         max_groups_per_step: int | None = None
         """Most groups recorded per step (the first ones); None records all."""
+        max_validation_groups: int | None = None
+        """Most episodes of a validation recorded (the first ones, every sample of each); None
+        records all. A recorded rollout takes about 9 KB of validation.jsonl and of the viewer
+        page, so a validation of thousands of episodes is better sampled."""
         viewer: bool = True
         """Write the rollout viewer, rollout_viewer.html in the run folder: one HTML page of the
         recorded rollouts to open in a browser (docs/reading_a_run.md), rewritten after each
@@ -46,9 +50,10 @@ class RolloutRecorder(Configurable):
                 raise ValueError(f"every_k_steps must be >= 0, got {self.every_k_steps}")
             if pathlib.PurePath(self.path).is_absolute():
                 raise ValueError(f"path must be relative to the run directory, got {self.path}")
-            if self.max_groups_per_step is not None and self.max_groups_per_step < 1:
-                raise ValueError(
-                    f"max_groups_per_step must be >= 1 or None, got {self.max_groups_per_step}")
+            for name in ("max_groups_per_step", "max_validation_groups"):
+                value = getattr(self, name)
+                if value is not None and value < 1:
+                    raise ValueError(f"{name} must be >= 1 or None, got {value}")
 
     def __init__(self, config: Config, *, run_dir: str | pathlib.Path) -> None:
         self.config = config
@@ -61,13 +66,15 @@ class RolloutRecorder(Configurable):
         return validation_rollouts_path(self.path)
 
     def record_validation(self, step: int, groups: list[RolloutGroup], tokenizer: Any) -> bool:
-        """Append a validation's rollouts (all of them, as training rollouts are written) to
-        `validation_path`, unless recording is off (every_k_steps = 0); True if written."""
+        """Append a validation's rollouts (those of its first `max_validation_groups` episodes,
+        written as training rollouts are) to `validation_path`, unless recording is off
+        (every_k_steps = 0); True if written."""
         if self.config.every_k_steps == 0:
             return False
+        limit = self.config.max_validation_groups
         self.validation_path.parent.mkdir(parents=True, exist_ok=True)
         with self.validation_path.open("a", encoding="utf-8") as f:
-            for group in groups:
+            for group in groups if limit is None else groups[:limit]:
                 for rollout in group.rollouts:
                     f.write(json.dumps(_record(step, group, rollout, tokenizer)) + "\n")
         logger.info("recorded the validation of step %d to %s", step, self.validation_path)
