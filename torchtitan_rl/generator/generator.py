@@ -283,8 +283,11 @@ class Generator(Actor, Configurable):
     def _queue_outcome(self, replies: Port, key: int, task: asyncio.Task[Completion | None]
                        ) -> None:
         if task.cancelled():
-            outcome = (key, None, RuntimeError("generate was cancelled"))
-        elif task.exception() is not None:
+            # This proc is being stopped (its generator was lost: a rank died): the caller hears
+            # of the loss from Monarch or, in a rollout worker, from the router, and restarts
+            # the group; an error outcome here would reach it first and fail the group.
+            return
+        if task.exception() is not None:
             outcome = (key, None, task.exception())
         else:
             outcome = (key, task.result(), None)
