@@ -95,6 +95,13 @@ def new_loop(engine: Any, config: Generator.Config, *, steps: list[StepStats] | 
     return loop
 
 
+async def finished_digests(handle: Any) -> list[tuple[int, int, str]]:
+    """(rank, finished outputs, token digest) per rank of a generator, by rank (the digest once
+    its ``record_finished_digest`` endpoint was called on every rank)."""
+    values = await handle.actors.get_finished_digest.call()
+    return sorted(value for _, value in values.items())
+
+
 def req(request_id: str, prompt: list[int], sampling: Sampling | None = None) -> GenerateRequest:
     return GenerateRequest(prompt_token_ids=prompt, request_id=request_id, sampling=sampling)
 

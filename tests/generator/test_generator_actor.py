@@ -10,6 +10,7 @@ import pytest
 
 from tests.generator.generator_testlib import (
     build_engine,
+    finished_digests,
     greedy,
     raw_generate,
     req,
@@ -51,12 +52,12 @@ def test_tp2_ranks_generate_identical_tokens_equal_to_tp1_before_and_after_a_pul
             await handle.actors.record_finished_digest.call()  # off by default (a cost per step)
             before = await asyncio.gather(*[
                 handle.generate(req(rid, p, s)) for rid, p, s in requests])
-            digests_before = await handle.get_finished_digests()
+            digests_before = await finished_digests(handle)
             timings = await pull_on_every_rank(handle.actors, 1, new_weights)
             assert len(timings) == 2 and all(set(t) == {"convert_s", "load_s"} for t in timings)
             after = await asyncio.gather(*[
                 handle.generate(req(f"{rid}-v1", p, s)) for rid, p, s in requests])
-            digests_after = await handle.get_finished_digests()
+            digests_after = await finished_digests(handle)
         finally:
             await handle.close()
         return before, digests_before, after, digests_after
@@ -106,7 +107,7 @@ def test_tp1_actor_batches_generates_and_serves_abort_pull_and_close() -> None:
             with pytest.raises(ValueError, match="prompt_token_ids is empty"):
                 await empty
             seen["inflight_after_batch"] = await handle.count_inflight_requests()
-            seen["digests"] = await handle.get_finished_digests()
+            seen["digests"] = await finished_digests(handle)
 
             seen["first"] = await handle.generate(req("first", [5, 6, 7], greedy(8)))
             # The handle sends at call time and one caller's messages start in order: the

@@ -128,11 +128,6 @@ class GeneratorHandle:
         self._calls.flush()
         return self.rank0.count_inflight_requests.call_one()
 
-    async def get_finished_digests(self) -> list[tuple[int, int, str]]:
-        """(rank, finished outputs, token digest) per rank, by rank."""
-        values = await self.actors.get_finished_digest.call()
-        return sorted(value for _, value in values.items())
-
     async def close(self, *, stop_procs: bool = True, timeout_s: float = 60.0) -> None:
         """Close every rank; outstanding generate() calls fail with "generator closed before the
         request finished"; then stop the procs. A lost generator's procs are only stopped. Every
