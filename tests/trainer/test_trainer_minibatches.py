@@ -91,16 +91,16 @@ def test_the_decoupled_loss_takes_the_ratio_against_old_and_the_weight_against_t
     loss, sums, _ = loss_cfg.build()(logp, generator_logprobs=gen, advantages=adv,
                                      loss_mask=mask, num_global_valid_tokens=4,
                                      old_logprobs=old)
-    expected = 0.0
+    expected, current = 0.0, logp.detach()
     for t in range(4):
-        r = math.exp(float(logp[0, t] - old[0, t]))                   # current / old
+        r = math.exp(float(current[0, t] - old[0, t]))                # current / old
         rho = math.exp(float(old[0, t] - gen[0, t]))                  # old / rollout
         w = min(rho, 2.0) * (1.0 if 0.125 <= rho <= 8.0 else 0.0)     # TIS, IcePop
         a = float(adv[0, t])
         expected += -min(r * a, min(max(r, 0.8), 1.2) * a) * w
     # token 3: rho = e^-1.5 = 0.22 kept, r = e^1.5 clipped at 1.2 for A < 0 -> max binds the clip
     assert loss.item() == pytest.approx(expected / 4, rel=1e-5)  # float32 exp
-    assert sums["ratio"].item() == pytest.approx(sum(math.exp(float(logp[0, t] - old[0, t]))
+    assert sums["ratio"].item() == pytest.approx(sum(math.exp(float(current[0, t] - old[0, t]))
                                                      for t in range(4)), rel=1e-5)
     # Without old logprobs (one update a step) the old policy is the current one: ratio 1.
     _, same, _ = loss_cfg.build()(logp, generator_logprobs=gen, advantages=adv, loss_mask=mask,
