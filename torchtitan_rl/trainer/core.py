@@ -3,15 +3,18 @@
     core = PolicyTrainerCore.Config(...).build(model_dir=hf_dir)   # every rank, same config
     for each step:
         core.forward_backward_samples(samples, batcher)  # every rank packs the same grid, runs
-                                       # its column (forward_backward(batch)); grads accumulate
+                                       # its column (forward_backward(batch)); grads accumulate;
+                                       # k mini-batches x e epochs: all updates but the last
+                                       # (minibatches.py)
         core.optim_step()              # clip, AdamW, policy_version += 1
     core.pushed_state_dict()           # collective: plain full tensors a push sends (the
                                        # weights; with LoRA's adapter push, the adapters)
     core.save_checkpoint(dir, extra) / core.load_checkpoint(dir) / core.export_hf(dir)
 
 Where each concern lives: the loss (loss.py), the critic and GAE (critic.py), the KL's reference
-model (reference.py), the state dicts of pushes, relays and exports (weights.py), checkpoints
-(checkpoint.py); this class builds them and runs the step.
+model (reference.py), the mini-batch split and its metrics (minibatches.py), the state dicts of
+pushes, relays and exports (weights.py), checkpoints (checkpoint.py); this class builds them and
+runs the step.
 
 Collectives: forward_backward and optim_step run FSDP/TP collectives and all-reduce metrics over
 the data-parallel ranks; full_model_state_dict, save/load and export are collectives too. Every
