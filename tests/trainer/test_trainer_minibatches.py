@@ -154,6 +154,23 @@ def test_the_second_epochs_ratio_is_not_one(tiny_model_dir):
     assert second["loss/tis_weight_mean"] == first["loss/tis_weight_mean"]
 
 
+def test_every_policy_loss_takes_several_updates(tiny_model_dir):
+    from torchtitan_rl.trainer.policy_losses import POLICY_LOSSES
+
+    core = _core(tiny_model_dir, num_minibatches=2, ppo_epochs=2)
+    for name in POLICY_LOSSES:
+        core.config.loss = PolicyLoss.Config(
+            policy_loss=name, off_policy=OffPolicyCorrection.Config(enabled="on"),
+            aggregation="seq-mean-token-mean" if name in ("gspo", "gmpo", "sapo") else
+            "token-mean")
+        core.loss_fn = core.config.loss.build()
+        metrics = core.forward_backward_samples(_samples(20), BATCHER)
+        metrics.update(core.optim_step())
+        assert metrics["trainer/num_updates"] == 4 and metrics["trainer/skipped_step"] == 0, name
+        assert math.isfinite(metrics["loss/objective"]), name
+        assert abs(metrics["loss/ratio_mean_last"] - 1) > 1e-6, name  # against the old policy
+
+
 @pytest.mark.parametrize("setting", ["critic", "lora"])
 def test_minibatch_steps_resume_bit_for_bit(tiny_model_dir, tmp_path, setting):
     kw = ({"critic": ValueCritic.Config(enabled=True, lr=1e-2)} if setting == "critic"
