@@ -449,7 +449,8 @@ async def _make_model(plan: ResolvedJob) -> None:
 def _plot(state: ControllerState, run_dir: pathlib.Path) -> None:
     """reward_curve.png: each step's training reward (faint) and its moving average over
     `SMOOTHING_STEPS` steps, every validation with its standard error (clustered by episode), and
-    the start's greedy reward as a reference line (`validation.greedy_reference`)."""
+    the start's greedy reward as a reference line (`validation.greedy_reference`); the title gives
+    the rise from the first validation to the last, paired by episode."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -471,6 +472,13 @@ def _plot(state: ControllerState, run_dir: pathlib.Path) -> None:
     if state.greedy_reward is not None:
         ax.axhline(state.greedy_reward, color="tab:gray", linestyle="--", linewidth=1.5,
                    label="the start's greedy answers (where sharpening leads)")
+    history = state.validation_history
+    change = rise(state.first_validation_episode_means, state.last_validation_episode_means) \
+        if len(history) > 1 else None
+    if change is not None:
+        z = f", {change.z:.1f} standard errors" if change.z is not None else ""
+        ax.set_title(f"validation {history[0][1]:.3f} -> {history[-1][1]:.3f}: "
+                     f"{change.rise:+.3f}{z} (paired by episode)", fontsize=10)
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
