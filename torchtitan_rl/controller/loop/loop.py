@@ -377,9 +377,6 @@ class TrainingLoop(Configurable):
         await self.gate.publish_version(version)
         end = time.perf_counter()
 
-        trace = parts.metrics.trace
-        if trace.enabled:  # each trainer rank's forward/backward/optimizer spans
-            trace_trainer_ranks(trace, await parts.trainer.take_timeline())
         state.step = version
         state.trained_group_ids.extend(group_ids)
         self._log_trained(step, group_ids, samples)
@@ -413,10 +410,13 @@ class TrainingLoop(Configurable):
         if "rollout_reward/mean" in metrics:
             state.reward_history.append((step, metrics["rollout_reward/mean"]))
         parts.metrics.log(step, metrics)
+        trace = parts.metrics.trace
         trace.span("steps", "wait for batch", start, train_start, step=step, groups=len(taken))
         trace.span("steps", "train", train_start, push_start, step=step, samples=len(samples))
         trace.span("steps", "push", push_start, end, step=step, version=version)
         trace_engine_steps(trace, engine_reports)
+        if trace.enabled:  # each trainer rank's spans; read after the step's metrics are taken
+            trace_trainer_ranks(trace, await parts.trainer.take_timeline())
         parts.recorder.maybe_record(step, groups, parts.tokenizer)
         if self.progress is not None:
             self._postfix = {
