@@ -55,6 +55,7 @@ from torchtitan_rl.generator import (
 from torchtitan_rl.generator.engine_stats import EngineStatsReport
 from torchtitan_rl.generator.partial_rollout import ResumingGenerateFn
 from torchtitan_rl.generator.router import GeneratorRouter
+from torchtitan_rl.monarch_failures import is_supervision_error
 from torchtitan_rl.trainer.trainer import TrainerClient
 from torchtitan_rl.types import GenerateFn
 from torchtitan_rl.weight_sync.push import WeightTransport, choose_transport
@@ -68,6 +69,8 @@ DRAIN_TIMEOUT_S = 60.0
 SPAWN_TIMEOUT_S = 600.0
 LOST_REASON_CHARS = 100
 """How much of a loss's reason a failed replacement's one-line error repeats."""
+PUSH_ATTEMPTS = 3
+"""Tries of the push into a replacement whose trainer died under it (restarted in between)."""
 
 
 class FleetRequestRefused(RuntimeError):
@@ -89,7 +92,9 @@ class GeneratorPool(ReplaceableMeshes):
         super().__init__("generator", len(configs))
         self.configs = configs
         self.router_config = router_config
-        self.trainer: TrainerClient
+        self._trainer: TrainerClient
+        self._trainer_changed = asyncio.Event()
+        """Set (and renewed) when a restarted trainer replaces the one pushes come from."""
         self.hosts = hosts
         self.weight_transport = weight_transport
         self.abort_on_pull = abort_on_pull
@@ -117,6 +122,17 @@ class GeneratorPool(ReplaceableMeshes):
         """The host watch and the fleet requests' watch, cancelled at close."""
         self.shared_procs: ProcMesh | None = None
         """The first generators' one proc mesh (None: a mesh each); stopped at close."""
+
+    @property
+    def trainer(self) -> TrainerClient:
+        """Where pushes come from; a restarted trainer replaces it (trainer_restart.py)."""
+        return self._trainer
+
+    @trainer.setter
+    def trainer(self, trainer: TrainerClient) -> None:
+        self._trainer = trainer
+        changed, self._trainer_changed = self._trainer_changed, asyncio.Event()
+        changed.set()
 
     async def spawn(self, trainer: Awaitable[TrainerClient]) -> GenerateFn:
         """Spawn every generator while ``trainer`` (the trainer's spawn, started by the caller)
@@ -369,10 +385,7 @@ class GeneratorPool(ReplaceableMeshes):
                     raise HostUnreachableError(
                         f"its host {self.hosts.generator_host_index(index)} is gone")
                 new = await asyncio.wait_for(self._spawn(index, name), SPAWN_TIMEOUT_S)
-                async with self._push_lock:  # not while the loop pushes: one version, once
-                    if self.policy_version > 0:  # else it serves model_dir: version 0 already
-                        await self._weight_push().to_replacement(new, self.policy_version)
-                    self.handles[index] = new
+                await self._push_to_replacement(index, new)
             except BaseException:
                 if new is not None and self.handles[index] is not new:  # spawned, not serving
                     await asyncio.gather(new.close(timeout_s=STOP_TIMEOUT_S),
@@ -400,6 +413,35 @@ class GeneratorPool(ReplaceableMeshes):
         logger.warning("%s replaced by %s (policy v%d) in %.1f s", old.name, name,
                        self.policy_version, self.last_recovery_s)
         return True
+
+    async def _push_to_replacement(self, index: int, new: GeneratorHandle) -> None:
+        """The current version into ``new``, which then is generator ``index``. A trainer that
+        dies under this push is restarted by the job (trainer_restart.py), which then pushes
+        its restored weights to every generator: the push is tried again from the new trainer
+        rather than the replacement given up (with no other generator serving, the run would
+        fail)."""
+        for attempt in range(1, PUSH_ATTEMPTS + 1):
+            trainer_changed = self._trainer_changed
+            try:
+                async with self._push_lock:  # not while the loop pushes: one version, once
+                    if self.policy_version > 0:  # else it serves model_dir: version 0 already
+                        await self._weight_push().to_replacement(new, self.policy_version)
+                    self.handles[index] = new
+                return
+            except Exception as e:
+                if not is_supervision_error(e) or new.lost_reason is not None or \
+                        attempt == PUSH_ATTEMPTS:
+                    raise
+                logger.warning("pushing to %s failed (%s): once the trainer is restarted, "
+                               "again from it", new.name, short_report(repr(e)))
+                waits = [asyncio.ensure_future(trainer_changed.wait()),
+                         asyncio.ensure_future(new.lost_event.wait())]
+                await asyncio.wait(waits, timeout=SPAWN_TIMEOUT_S,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                for wait in waits:
+                    wait.cancel()
+                if not trainer_changed.is_set() or new.lost_reason is not None:
+                    raise
 
     def _host_gone(self, index: int) -> bool:
         return self.hosts.generator_host_index(index) in self.lost_hosts

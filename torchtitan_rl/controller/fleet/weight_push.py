@@ -118,7 +118,7 @@ class WeightPush:
 
     async def _by_shared_memory(self, index: int, generator: GeneratorHandle,
                                 version: int) -> None:
-        self.router.set_syncing([index], True)
+        self.router.set_in_push([index], True)
         trainer_called = False
         start = time.perf_counter()
         try:
@@ -139,7 +139,7 @@ class WeightPush:
             generator.mark_lost(f"during the push of v{version}: {e}")
             logger.warning("push v%d to %s failed: it was lost", version, generator.name)
         finally:
-            self.router.set_syncing([index], False)
+            self.router.set_in_push([index], False)
 
     async def _relay(self, generators: list[tuple[int, GeneratorHandle]], version: int) -> None:
         """Relay ``version`` down a chain of ``generators``; a generator lost on the way is
@@ -152,7 +152,7 @@ class WeightPush:
         while generators:
             indices = [index for index, _ in generators]
             chain = [generator for _, generator in generators]
-            self.router.set_syncing(indices, True)
+            self.router.set_in_push(indices, True)
             try:
                 if attempt:
                     logger.warning("relay v%d: attempt %d to %s", version, attempt,
@@ -172,7 +172,7 @@ class WeightPush:
                 generators = [(i, h) for p, (i, h) in enumerate(generators)
                               if p not in pulled and h.lost_reason is None]
             finally:
-                self.router.set_syncing(indices, False)
+                self.router.set_in_push(indices, False)
             attempt += 1
         if attempt:  # from the first send to the last generator's pull, attempts included
             self.totals.timings["weight_sync/relay_s"] = time.perf_counter() - start
@@ -214,7 +214,14 @@ class WeightPush:
         if self.abort_on_pull:
             # Partial rollouts: running requests return their tokens so far and are resumed
             # (prompt + partial) on the new weights (partial_rollout.py).
-            self.totals.num_aborted += await until_lost(generator, generator.abort(None))
+            try:
+                self.totals.num_aborted += await until_lost(generator, generator.abort(None))
+            except Exception as e:  # it pulled, then died: the pool replaces it
+                if not (isinstance(e, GeneratorLostError) or is_supervision_error(e)):
+                    raise
+                generator.mark_lost(f"after the push of v{version}: {e}")
+                logger.warning("%s was lost after the push of v%d", generator.name, version)
+                return
         if self.trainer.verify_push and generator.weight_transport != "shared_memory":
             await self.trainer.verify_weights([generator], version)  # debug: gathers
             self.totals.num_verified += 1
