@@ -67,8 +67,8 @@ class _Mirror:
     def __init__(self) -> None:
         self.events: list[tuple] = []
 
-    def set_syncing(self, indices: list[int], syncing: bool) -> None:
-        self.events.append(("syncing", indices, syncing))
+    def set_in_push(self, indices: list[int], in_push: bool) -> None:
+        self.events.append(("in_push", indices, in_push))
 
     def take_out(self, index: int, reason: str) -> None:
         self.events.append(("out", index, reason))
@@ -90,12 +90,12 @@ def test_the_router_tells_every_mirror_each_change_of_its_serving_set():
     mirrors = [_Mirror(), _Mirror()]
     for mirror in mirrors:
         router.add_mirror(mirror)
-    router.set_syncing([0, 1], True)  # a relayed push: one message per mirror for both
-    router.set_syncing([0, 1], False)
+    router.set_in_push([0, 1], True)  # a relayed push: one message per mirror for both
+    router.set_in_push([0, 1], False)
     router.take_out(0)
     router.put_back(0, replacement)
     for mirror in mirrors:
-        assert mirror.events == [("syncing", [0, 1], True), ("syncing", [0, 1], False),
+        assert mirror.events == [("in_push", [0, 1], True), ("in_push", [0, 1], False),
                                  ("out", 0, "SIGKILL"), ("back", 0, replacement)]
 
 
@@ -235,7 +235,7 @@ class _ReplaceableWorker(_Worker):
     def __init__(self, reply) -> None:
         super().__init__(reply)
         self.take_out = _Endpoint()
-        self.set_syncing = _Endpoint()
+        self.set_in_push = _Endpoint()
 
 
 class _Procs:
@@ -268,7 +268,7 @@ def test_a_lost_worker_fails_its_groups_takes_none_and_its_replacement_learns_th
     pool = _pool([(old_procs, lost_worker), (_Procs(), other)], num_generators=2,
                  respawn=respawn)
     pool.take_out(1, "SIGKILL")  # generator 1 is out when the replacement starts
-    pool.set_syncing([0], True)  # and generator 0 pulls weights
+    pool.set_in_push([0], True)  # and generator 0 pulls weights
 
     async def go() -> None:
         stuck = asyncio.create_task(pool.run_group(3, 0, 4, Sampling()))  # to worker 0
@@ -290,7 +290,7 @@ def test_a_lost_worker_fails_its_groups_takes_none_and_its_replacement_learns_th
     assert other.group_ids == [4]
     assert replacement.group_ids == [5]
     assert replacement.take_out.broadcasts == [(1, "lost before this worker started")]
-    assert replacement.set_syncing.broadcasts == [([0], True)]
+    assert replacement.set_in_push.broadcasts == [([0], True)]
     assert old_procs.stopped == 1
     assert pool.ignores("rollout_worker_0-a1b2") and not pool.ignores("rollout_worker_0_r1-c3")
     assert pool.index_of_mesh("rollout_worker_0_r1-c3") == 0

@@ -65,7 +65,7 @@ def test_least_loaded_prefers_the_generator_with_fewest_inflight_requests():
     assert router.inflight_requests == [0, 0]
 
 
-def test_sticky_session_pins_turns_and_repins_while_syncing():
+def test_sticky_session_pins_turns_and_repins_while_in_a_push():
     router, gens = _router("sticky_session", n=2)
 
     async def turn(session: str, t: int):
@@ -75,9 +75,9 @@ def test_sticky_session_pins_turns_and_repins_while_syncing():
         await turn("group=0/rollout=0", 0)
         await turn("group=0/rollout=1", 0)
         await turn("group=0/rollout=0", 1)
-        router.set_syncing([0], True)
-        await turn("group=0/rollout=0", 2)  # generator 0 syncs: re-pinned to 1
-        router.set_syncing([0], False)
+        router.set_in_push([0], True)
+        await turn("group=0/rollout=0", 2)  # generator 0 takes a push: re-pinned to 1
+        router.set_in_push([0], False)
         await turn("group=0/rollout=0", 3)  # stays on its new generator
 
     asyncio.run(asyncio.wait_for(go(), 10))

@@ -5,8 +5,8 @@ Strategies:
 - ``least_loaded``: the generator with the fewest requests in flight (ties: fewest routed so far).
 - ``sticky_session``: every turn of a rollout (same session id) goes to the generator that served
   its first turn, so its prefix stays in that engine's KV cache; an LRU map bounds the sessions
-  kept. While a generator syncs weights, new sessions avoid it and its sessions are re-pinned to
-  the least-loaded generator that is not syncing.
+  kept. While a generator takes a push, new sessions avoid it and its sessions are re-pinned to
+  the least-loaded generator that is not in a push.
 
 The router also keeps the generators' busy clock (time with at least one request in flight), from
 which the loop logs the generator idle ratio (idle_ratios.py).
@@ -16,7 +16,7 @@ lost generator is taken out (``take_out``) until its replacement is put back (``
 sessions are re-pinned, and with no generator left a request waits for one.
 
 Mirrors (``add_mirror``): rollout workers keep routers of their own over the same generators
-(controller/rollout_workers/worker.py); every change to which generators serve (``set_syncing``,
+(controller/rollout_workers/worker.py); every change to which generators serve (``set_in_push``,
 ``take_out``, ``put_back``) is told to each mirror as it happens, so they route alike.
 """
 
@@ -72,7 +72,7 @@ class RouterMirror(Protocol):
     """A copy of the router's serving set kept elsewhere (a rollout worker's router); each call
     returns at once (a message is sent, no reply awaited)."""
 
-    def set_syncing(self, indices: list[int], syncing: bool) -> None: ...
+    def set_in_push(self, indices: list[int], in_push: bool) -> None: ...
     def take_out(self, index: int, reason: str) -> None: ...
     def put_back(self, index: int, generator: GenerateFn) -> None: ...
 
@@ -103,7 +103,7 @@ class GeneratorRouter(Configurable):
         """Open while any request is in flight on any generator."""
         self.inflight_requests = [0] * len(generators)
         self.num_routed = [0] * len(generators)
-        self._syncing: set[int] = set()
+        self._in_push: set[int] = set()
         self._out: set[int] = set()
         """Generators taken out (lost, being replaced)."""
         self._any_in = asyncio.Event()
@@ -115,7 +115,7 @@ class GeneratorRouter(Configurable):
         """Each request's life on its generator's track (metrics/trace.py), when set."""
 
     def add_mirror(self, mirror: RouterMirror) -> None:
-        """Tell ``mirror`` every later set_syncing / take_out / put_back."""
+        """Tell ``mirror`` every later set_in_push / take_out / put_back."""
         self._mirrors.append(mirror)
 
     # ---- choosing ------------------------------------------------------------------------------
@@ -130,7 +130,7 @@ class GeneratorRouter(Configurable):
         if strategy == "least_loaded" or session_id is None:
             return self._least_loaded()
         index = self._sessions.get(session_id)
-        if index is None or index in self._syncing or index in self._out:
+        if index is None or index in self._in_push or index in self._out:
             index = self._least_loaded()
         self._sessions[session_id] = index
         self._sessions.move_to_end(session_id)
@@ -140,17 +140,17 @@ class GeneratorRouter(Configurable):
 
     def _least_loaded(self) -> int:
         serving = [i for i in range(len(self.generators)) if i not in self._out]
-        available = [i for i in serving if i not in self._syncing]
+        available = [i for i in serving if i not in self._in_push]
         pool = available or serving
         return min(pool, key=lambda i: (self.inflight_requests[i], self.num_routed[i], i))
 
-    def set_syncing(self, indices: list[int], syncing: bool) -> None:
+    def set_in_push(self, indices: list[int], in_push: bool) -> None:
         """Mark generators as pulling weights (sticky sessions move off them meanwhile); one
         message per mirror for the lot (a push marks every relayed generator at once)."""
         for index in indices:
-            (self._syncing.add if syncing else self._syncing.discard)(index)
+            (self._in_push.add if in_push else self._in_push.discard)(index)
         for mirror in self._mirrors:
-            mirror.set_syncing(indices, syncing)
+            mirror.set_in_push(indices, in_push)
 
     @property
     def mirrored(self) -> bool:

@@ -5,7 +5,7 @@ generators, hand each admitted group to the least loaded one, mirror the router 
                 a proc of one shared mesh (shared_procs.py; else a mesh each, as a replacement
                 gets) -> RolloutWorker(spec, [GeneratorRef of every generator])
                 -> ready() (its pid; a worker that cannot build its parts fails the start)
-                -> router.add_mirror(pool): set_syncing / take_out / put_back reach every worker
+                -> router.add_mirror(pool): set_in_push / take_out / put_back reach every worker
     run_group:  WorkerAssigner.acquire() -> the worker's BatchedCaller (batched_calls.py: the
                 groups assigned to a worker in one event-loop turn leave in one message, come
                 back in batches on one reply port) -> GroupOutcome
@@ -14,7 +14,7 @@ generators, hand each admitted group to the least loaded one, mirror the router 
     a worker's proc dies -> MeshFailureWatch -> mark_lost(i): its groups raise
                 RolloutWorkerLostError (the loop restarts them whole on the others), no group
                 goes to it, a replacement spawns on its host, learns the router's state
-                (generators out or syncing) and takes groups again
+                (generators out or in a push) and takes groups again
     close:      every worker closes (it never closes a generator), then its own mesh (or its
                 actor, then the shared mesh) stops; before the generators (RunParts.close)
 
@@ -117,7 +117,7 @@ class RolloutWorkerPool(ReplaceableMeshes):
         # The router's state a replacement must start from (RouterMirror below).
         self._generators: list[GeneratorRef] = []
         self._out: set[int] = set()
-        self._syncing: set[int] = set()
+        self._in_push: set[int] = set()
 
     @classmethod
     async def spawn(cls, spec: RolloutWorkerSpec, num_workers: int, *,
@@ -248,8 +248,8 @@ class RolloutWorkerPool(ReplaceableMeshes):
         # Its router starts from every generator serving: tell it what the others know.
         for g in self._out:
             actor.take_out.broadcast(g, "lost before this worker started")
-        if self._syncing:
-            actor.set_syncing.broadcast(sorted(self._syncing), True)
+        if self._in_push:
+            actor.set_in_push.broadcast(sorted(self._in_push), True)
         self.workers[index] = (procs, actor)
         self._links[index] = None
         self.assigner.down.discard(index)
@@ -259,11 +259,11 @@ class RolloutWorkerPool(ReplaceableMeshes):
         return True
 
     # ---- RouterMirror (generator/router.py): the workers' routers follow the controller's ----
-    def set_syncing(self, indices: list[int], syncing: bool) -> None:
+    def set_in_push(self, indices: list[int], in_push: bool) -> None:
         for index in indices:
-            (self._syncing.add if syncing else self._syncing.discard)(index)
+            (self._in_push.add if in_push else self._in_push.discard)(index)
         for _, actor in self.workers:
-            actor.set_syncing.broadcast(list(indices), syncing)
+            actor.set_in_push.broadcast(list(indices), in_push)
 
     def take_out(self, index: int, reason: str) -> None:
         self._out.add(index)

@@ -13,7 +13,7 @@ controller exchanges one message per group with it instead of one per turn.
         rollouter.worker_outcome_interval_s) -> controller
         (a generator lost under it: GroupOutcome.lost_reason; the controller raises
         GeneratorLostError and restarts the group whole; the group's own error: .error)
-    controller router -set_syncing / take_out / put_back(GeneratorRef)-> every worker's router
+    controller router -set_in_push / take_out / put_back(GeneratorRef)-> every worker's router
         (RouterMirror, generator/router.py): pushes, losses and replacements route alike here
     controller -cancel_group(key)-> worker (the controller gave the group up: no outcome)
     controller -close()-> worker; then its proc is stopped
@@ -228,8 +228,8 @@ class RolloutWorker(Actor):
             task.cancel()
 
     @concurrent_endpoint
-    async def set_syncing(self, indices: list[int], syncing: bool) -> None:
-        self.router.set_syncing(indices, syncing)
+    async def set_in_push(self, indices: list[int], in_push: bool) -> None:
+        self.router.set_in_push(indices, in_push)
 
     @concurrent_endpoint
     async def take_out(self, index: int, reason: str) -> None:
