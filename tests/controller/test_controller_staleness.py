@@ -30,7 +30,7 @@ async def _simulate(max_staleness: int, groups_per_step: int, num_steps: int, se
         for step in range(num_steps):
             taken = await gate.take_step_groups(step)
             steps.append([(g, v) for g, v, _ in taken])
-            await gate.publish_version(step + 1)
+            await gate.publish_policy_version(step + 1)
 
     train_task = asyncio.create_task(trainer())
     while not train_task.done():

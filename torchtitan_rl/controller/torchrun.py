@@ -205,7 +205,8 @@ class TorchrunTrainerClient(TrainerClient):
     async def optim_step(self) -> dict[str, float]:
         return await self._send(PolicyTrainerCore.optim_step)
 
-    async def push_weights(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
+    async def push_weights(self, generator: GeneratorHandle, policy_version: int
+                           ) -> dict[str, float]:
         assert generator.weight_transport is not None, "the pool picks each generator's transport"
         start = time.perf_counter()
         state_dict = await self._send(PolicyTrainerCore.pushed_state_dict)
@@ -215,26 +216,29 @@ class TorchrunTrainerClient(TrainerClient):
             self._pusher = WeightPusher(model_config=self.trainer.core.model_config,
                                         lora_scaling=self.trainer.core.pushed_lora_scaling)
         metrics.update(await self._pusher.push(
-            version, state_dict, generator.actors, transport=generator.weight_transport,
+            policy_version, state_dict, generator.actors, transport=generator.weight_transport,
             verify=self.verify_push))
         metrics["weight_sync/total_s"] = time.perf_counter() - start
-        logger.info("pushed weights v%d in %.3fs", version, metrics["weight_sync/total_s"])
+        logger.info("pushed weights v%d in %.3fs", policy_version,
+                    metrics["weight_sync/total_s"])
         return metrics
 
-    async def relay_weights(self, chain: list[GeneratorHandle], version: int, attempt: int
-                            ) -> dict[str, float]:
+    async def relay_weights(self, chain: list[GeneratorHandle], policy_version: int,
+                            attempt: int) -> dict[str, float]:
         start = time.perf_counter()
         state_dict = await self._send(PolicyTrainerCore.pushed_state_dict)
-        chunks, model_bytes = relay_chunks(state_dict, policy_version=version, attempt=attempt,
+        chunks, model_bytes = relay_chunks(state_dict, policy_version=policy_version,
+                                           attempt=attempt,
                                            rank=0, chunk_bytes=self.relay_chunk_bytes)
         sent = await send_chunks(chunks, [h.actors for h in chain], self._link)
         return sender_totals([{"sent_bytes": float(sent), "model_bytes": float(model_bytes),
                                "send_s": time.perf_counter() - start}])
 
-    async def verify_weights(self, generators: list[GeneratorHandle], version: int) -> None:
+    async def verify_weights(self, generators: list[GeneratorHandle], policy_version: int
+                             ) -> None:
         state_dict = await self._send(PolicyTrainerCore.pushed_state_dict)
         for generator in generators:
-            await self._pusher_for_verify().verify(version, state_dict, generator.actors)
+            await self._pusher_for_verify().verify(policy_version, state_dict, generator.actors)
 
     def _pusher_for_verify(self) -> WeightPusher:
         if self._pusher is None:

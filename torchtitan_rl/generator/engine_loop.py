@@ -360,16 +360,17 @@ class EngineLoop:
         for output in finished:
             self._ledger.resolve_output(output, num_in_engine)
 
-    async def _pull(self, version: int) -> None:
+    async def _pull(self, policy_version: int) -> None:
         # A peer rank can see the decision before its own pull call arrives: wait for it.
-        weights = await self._pulls.entry(version).weights
+        weights = await self._pulls.entry(policy_version).weights
         start = time.perf_counter()
-        await self._in_thread(load_weights, self.engine, self.puller, weights, version,
+        await self._in_thread(load_weights, self.engine, self.puller, weights, policy_version,
                               self.weight_sync, self.rank)
-        self.policy_version = version
+        self.policy_version = policy_version
         apply_s = time.perf_counter() - start
-        self._pulls.finish(version, apply_s)
-        logger.info("rank %d: pulled policy version %d in %.3f s", self.rank, version, apply_s)
+        self._pulls.finish(policy_version, apply_s)
+        logger.info("rank %d: pulled policy version %d in %.3f s", self.rank,
+                    policy_version, apply_s)
 
     async def _abort(self, request_ids: list[str]) -> None:
         outputs = await self._in_thread(abort_with_outputs, self.engine, request_ids)

@@ -44,34 +44,34 @@ class PendingPulls:
     def __init__(self) -> None:
         self._pulls: dict[int, _Pull] = {}
 
-    def check_new(self, version: int, current_version: int) -> None:
+    def check_new(self, policy_version: int, current_version: int) -> None:
         """The pull-version rule: refuse a second call for one version, and versions not above
         the newest loaded or received (a PULL decision seen first on a peer rank is not a
         received pull)."""
-        pull = self._pulls.get(version)
+        pull = self._pulls.get(policy_version)
         if pull is not None and pull.weights.done():
-            raise ValueError(f"a pull of version {version} is already pending")
+            raise ValueError(f"a pull of version {policy_version} is already pending")
         received = [v for v, p in self._pulls.items() if p.weights.done()]
         latest = max([current_version, *received])
-        if pull is None and version <= latest:
+        if pull is None and policy_version <= latest:
             raise ValueError(
                 f"pull version must be > {latest} (the newest version loaded or pending), "
-                f"got {version}"
+                f"got {policy_version}"
             )
 
-    def entry(self, version: int) -> _Pull:
-        if (pull := self._pulls.get(version)) is None:
+    def entry(self, policy_version: int) -> _Pull:
+        if (pull := self._pulls.get(policy_version)) is None:
             loop = asyncio.get_running_loop()
-            pull = self._pulls[version] = _Pull(loop.create_future(), loop.create_future())
+            pull = self._pulls[policy_version] = _Pull(loop.create_future(), loop.create_future())
         return pull
 
-    def deliver(self, version: int, weights: Any) -> asyncio.Future[float]:
-        pull = self.entry(version)
+    def deliver(self, policy_version: int, weights: Any) -> asyncio.Future[float]:
+        pull = self.entry(policy_version)
         pull.weights.set_result(weights)
         return pull.done
 
-    def finish(self, version: int, apply_s: float) -> None:
-        resolve_future(self._pulls.pop(version).done, apply_s)
+    def finish(self, policy_version: int, apply_s: float) -> None:
+        resolve_future(self._pulls.pop(policy_version).done, apply_s)
 
     def __len__(self) -> int:
         """Pulls received or announced and not applied yet."""
@@ -100,14 +100,14 @@ def choose_puller(config: GeneratorConfig, *, vllm_cpu_kernels: bool
                         vllm_cpu_kernels=vllm_cpu_kernels)
 
 
-def load_weights(engine: Any, puller: WeightPuller | AdapterPuller, weights: Any, version: int,
-                 policy: WeightSyncPolicy, rank: int) -> None:
+def load_weights(engine: Any, puller: WeightPuller | AdapterPuller, weights: Any,
+                 policy_version: int, policy: WeightSyncPolicy, rank: int) -> None:
     """Engine thread, between two engine steps: load prepared ``weights``, label later tokens
-    with ``version``, and reset the prefix cache where the policy says so."""
+    with ``policy_version``, and reset the prefix cache where the policy says so."""
     puller.apply(engine, weights)
-    engine.set_weight_version(str(version))
+    engine.set_weight_version(str(policy_version))
     if policy.reset_prefix_cache and not policy.salts_prefix_cache_by_version:
         # Under hot swap this preempts the running requests; under drain none is running.
         if not engine.reset_prefix_cache(reset_running_requests=not policy.drain_before_pull):
             logger.warning("rank %d: vLLM kept its prefix cache at the pull of version %d "
-                           "(a request held blocks)", rank, version)
+                           "(a request held blocks)", rank, policy_version)

@@ -86,9 +86,9 @@ class RequestLedger:
         self._check()
         return entry.future
 
-    def request_pull(self, version: int) -> None:
+    def request_pull(self, policy_version: int) -> None:
         """Record a pull for ``decide()`` (its version was checked by ``PendingPulls``)."""
-        self.pending_pulls.append(version)
+        self.pending_pulls.append(policy_version)
         self._check()
 
     def request_abort(self, request_ids: list[str] | None

@@ -154,16 +154,14 @@ class PolicyTrainer(Actor, Configurable):
     async def push_weights(
         self,
         generators: Any,
-        policy_version: int | None = None,
+        policy_version: int,
         verify: bool = False,
         transport: WeightTransport | None = None,
     ) -> dict[str, float]:
         """Push the weights to ``generators`` (a generator actor mesh, e.g.
-        ``GeneratorHandle.actors``) as ``policy_version`` (None: this trainer's); every rank
-        gathers, rank 0 pushes. ``transport``: the controller's choice for this generator (None:
-        the configured ``weight_transport``, the message when that is "auto")."""
-        if policy_version is None:
-            policy_version = self.core.policy_version
+        ``GeneratorHandle.actors``) as ``policy_version``; every rank gathers, rank 0 pushes.
+        ``transport``: the controller's choice for this generator (None: the configured
+        ``weight_transport``, the message when that is "auto")."""
         start = time.perf_counter()
         state_dict = self.core.pushed_state_dict()
         metrics = {"weight_sync/gather_s": time.perf_counter() - start}
@@ -308,20 +306,22 @@ class TrainerClient(abc.ABC):
         """Every rank clips, steps AdamW and advances its policy version."""
 
     @abc.abstractmethod
-    async def push_weights(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
-        """The trainer's weights into every rank of ``generator`` as policy ``version``, over the
+    async def push_weights(self, generator: GeneratorHandle, policy_version: int
+                           ) -> dict[str, float]:
+        """The trainer's weights into every rank of ``generator`` as ``policy_version``, over the
         generator's ``weight_transport`` (read back and compared bit for bit when
         ``verify_push``): every rank gathers, rank 0 pushes."""
 
     @abc.abstractmethod
-    async def relay_weights(self, chain: list[GeneratorHandle], version: int, attempt: int
-                            ) -> dict[str, float]:
-        """Send the weights as push ``(version, attempt)`` to the head of ``chain``, which
+    async def relay_weights(self, chain: list[GeneratorHandle], policy_version: int,
+                            attempt: int) -> dict[str, float]:
+        """Send the weights as push ``(policy_version, attempt)`` to the head of ``chain``, which
         relays them (weight_sync/relay.py); returns once sent: ``model_bytes``,
         ``busiest_sender_bytes`` and ``sent_bytes`` (summed) over the trainer's senders."""
 
     @abc.abstractmethod
-    async def verify_weights(self, generators: list[GeneratorHandle], version: int) -> None:
+    async def verify_weights(self, generators: list[GeneratorHandle], policy_version: int
+                             ) -> None:
         """Read each generator's weights back and compare them bit for bit with the trainer's
         (a gather: debug mode); raises on a difference."""
 
@@ -378,18 +378,21 @@ class MonarchTrainerClient(TrainerClient):
         return {point.rank: events
                 for point, events in (await self.actors.take_timeline.call()).items()}
 
-    async def push_weights(self, generator: GeneratorHandle, version: int) -> dict[str, float]:
+    async def push_weights(self, generator: GeneratorHandle, policy_version: int
+                           ) -> dict[str, float]:
         assert generator.weight_transport is not None, "the pool picks each generator's transport"
         return rank0_value(await self.actors.push_weights.call(
-            generator.actors, version, self.verify_push, generator.weight_transport))
+            generator.actors, policy_version, self.verify_push, generator.weight_transport))
 
-    async def relay_weights(self, chain: list[GeneratorHandle], version: int, attempt: int
-                            ) -> dict[str, float]:
-        values = await self.actors.relay_weights.call([h.actors for h in chain], version, attempt)
+    async def relay_weights(self, chain: list[GeneratorHandle], policy_version: int,
+                            attempt: int) -> dict[str, float]:
+        values = await self.actors.relay_weights.call([h.actors for h in chain], policy_version,
+                                                     attempt)
         return sender_totals([value for _, value in values.items()])
 
-    async def verify_weights(self, generators: list[GeneratorHandle], version: int) -> None:
-        await self.actors.verify_weights.call([h.actors for h in generators], version)
+    async def verify_weights(self, generators: list[GeneratorHandle], policy_version: int
+                             ) -> None:
+        await self.actors.verify_weights.call([h.actors for h in generators], policy_version)
 
     async def save_checkpoint(self, directory: pathlib.Path) -> None:
         await self.actors.save_checkpoint.call(str(directory), None)

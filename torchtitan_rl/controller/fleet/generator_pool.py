@@ -185,17 +185,18 @@ class GeneratorPool(ReplaceableMeshes):
                                 separate_machines=self.hosts.separate_machines)
 
     # ---- weights --------------------------------------------------------------------------------
-    async def push_weights(self, version: int) -> dict[str, float]:
-        """The trainer's weights to every serving generator, as policy ``version``: those on the
+    async def push_weights(self, policy_version: int) -> dict[str, float]:
+        """The trainer's weights to every serving generator, as ``policy_version``: those on the
         trainer's machine one at a time by shared memory, the others down one relay chain
         (fleet/weight_push.py). Metrics: bytes (``bytes_moved`` summed over senders,
         ``busiest_sender_bytes``, ``model_bytes``), the last push's timings, the aborted
         requests summed over generators."""
         assert self.router is not None
         async with self._push_lock:
-            self.policy_version = version
+            self.policy_version = policy_version
             metrics = await self._weight_push().run(
-                [(i, h) for i, h in enumerate(self.handles) if h.lost_reason is None], version)
+                [(i, h) for i, h in enumerate(self.handles) if h.lost_reason is None],
+                policy_version)
         metrics["weight_sync/generators_by_shared_memory"] = float(sum(
             h.weight_transport == "shared_memory" for h in self.handles))
         return metrics
@@ -221,24 +222,25 @@ class GeneratorPool(ReplaceableMeshes):
         return WeightPush(self.trainer, self.router, abort_on_pull=self.abort_on_pull,
                           reported=self._push_reported)
 
-    async def rewind(self, version: int) -> None:
-        """The trainer was restored to ``version`` (an older policy than the generators serve):
-        every serving generator aborts what it runs (the run's rollouts were cancelled) and takes
-        ``version`` as its next pull; one that cannot is replaced (it gets ``version`` then).
-        ``push_weights(version)`` comes next."""
+    async def rewind(self, policy_version: int) -> None:
+        """The trainer was restored to ``policy_version`` (an older policy than the generators
+        serve): every serving generator aborts what it runs (the run's rollouts were cancelled)
+        and takes ``policy_version`` as its next pull; one that cannot is replaced (it gets
+        ``policy_version`` then). ``push_weights(policy_version)`` comes next."""
         async with self._push_lock:
-            self.policy_version = version
+            self.policy_version = policy_version
             for generator in self.handles:
                 if generator.lost_reason is not None:
                     continue
                 try:
                     await until_lost(generator, generator.abort(None))
-                    await until_lost(generator, generator.rewind_policy_version(version))
+                    await until_lost(generator, generator.rewind_policy_version(policy_version))
                 except Exception as e:
                     if not isinstance(e, GeneratorLostError):
-                        generator.mark_lost(f"rewinding to v{version}: {short_report(str(e))}")
+                        generator.mark_lost(
+                            f"rewinding to v{policy_version}: {short_report(str(e))}")
                     logger.warning("%s could not go back to v%d: it is replaced",
-                                   generator.name, version)
+                                   generator.name, policy_version)
 
     # ---- a fleet that changes mid-run (controller/fleet/requests.py) ----------------------------
     async def watch_requests(self, run_dir: pathlib.Path) -> None:

@@ -106,29 +106,30 @@ class WeightPush:
         self.totals = PushTotals()
 
     async def run(self, generators: list[tuple[int, GeneratorHandle]],
-                  version: int) -> dict[str, float]:
-        """``version`` to ``generators`` (their router indices and handles): shared memory first,
-        then the relay. A generator lost on the way is marked lost (the pool replaces it)."""
+                  policy_version: int) -> dict[str, float]:
+        """``policy_version`` to ``generators`` (their router indices and handles): shared memory
+        first, then the relay. A generator lost on the way is marked lost (the pool replaces it)."""
         for index, generator in generators:
             if generator.weight_transport == "shared_memory":
-                await self._by_shared_memory(index, generator, version)
+                await self._by_shared_memory(index, generator, policy_version)
         await self._relay([(i, g) for i, g in generators
-                           if g.weight_transport != "shared_memory"], version)
+                           if g.weight_transport != "shared_memory"], policy_version)
         return self.totals.metrics(self.abort_on_pull)
 
     async def _by_shared_memory(self, index: int, generator: GeneratorHandle,
-                                version: int) -> None:
+                                policy_version: int) -> None:
         self.router.set_in_push([index], True)
         trainer_called = False
         start = time.perf_counter()
         try:
-            metrics = await until_lost(generator, self.trainer.push_weights(generator, version))
+            metrics = await until_lost(generator,
+                                       self.trainer.push_weights(generator, policy_version))
             trainer_called = True
-            self._trace(index, version, start, time.perf_counter(), metrics, relayed=False)
+            self._trace(index, policy_version, start, time.perf_counter(), metrics, relayed=False)
             self.totals.timings.update(metrics)
             moved = metrics.get("weight_sync/model_bytes", 0.0)
             self.totals.by_shared_memory(moved)
-            await self._pulled(generator, version, moved)
+            await self._pulled(generator, policy_version, moved)
         except Exception as e:
             # The trainer's call failing by itself (not an error its endpoint raised) is the
             # trainer's death, not this generator's: the job restarts the trainer.
@@ -136,13 +137,14 @@ class WeightPush:
             if not (isinstance(e, GeneratorLostError)
                     or (is_supervision_error(e) and not trainer_died)):
                 raise
-            generator.mark_lost(f"during the push of v{version}: {e}")
-            logger.warning("push v%d to %s failed: it was lost", version, generator.name)
+            generator.mark_lost(f"during the push of v{policy_version}: {e}")
+            logger.warning("push v%d to %s failed: it was lost", policy_version, generator.name)
         finally:
             self.router.set_in_push([index], False)
 
-    async def _relay(self, generators: list[tuple[int, GeneratorHandle]], version: int) -> None:
-        """Relay ``version`` down a chain of ``generators``; a generator lost on the way is
+    async def _relay(self, generators: list[tuple[int, GeneratorHandle]],
+                     policy_version: int) -> None:
+        """Relay ``policy_version`` down a chain of ``generators``; a generator lost on the way is
         marked lost, and the survivors downstream of it, which never get the rest, take a new
         attempt on a chain without it."""
         attempt = 0
@@ -155,19 +157,19 @@ class WeightPush:
             self.router.set_in_push(indices, True)
             try:
                 if attempt:
-                    logger.warning("relay v%d: attempt %d to %s", version, attempt,
+                    logger.warning("relay v%d: attempt %d to %s", policy_version, attempt,
                                    ",".join(h.name for h in chain))
                 pulled: set[int] = set()
                 async with contextlib.aclosing(_relay_once(
-                        self.trainer, chain, version, attempt, self.totals)) as relayed:
+                        self.trainer, chain, policy_version, attempt, self.totals)) as relayed:
                     async for position, result in relayed:
                         pulled.add(position)
                         sent_s = self.totals.timings.get("weight_sync/send_s", 0.0)
-                        self._trace(indices[position], version, start, time.perf_counter(), {
+                        self._trace(indices[position], policy_version, start, time.perf_counter(), {
                             "weight_sync/send_s": sent_s,
                             **{f"weight_sync/generator_{k}": v for k, v in result.items()}},
                             relayed=True)
-                        await self._pulled(chain[position], version, result["sent_bytes"])
+                        await self._pulled(chain[position], policy_version, result["sent_bytes"])
                 # Serving generators that did not get it: downstream of one lost on the way.
                 generators = [(i, h) for p, (i, h) in enumerate(generators)
                               if p not in pulled and h.lost_reason is None]
@@ -177,7 +179,7 @@ class WeightPush:
         if attempt:  # from the first send to the last generator's pull, attempts included
             self.totals.timings["weight_sync/relay_s"] = time.perf_counter() - start
 
-    def _trace(self, index: int, version: int, start: float, end: float,
+    def _trace(self, index: int, policy_version: int, start: float, end: float,
                timings: dict[str, float], *, relayed: bool) -> None:
         """Generator ``index``'s part of the push on its "weight push" track: the whole push as
         the controller saw it (its args: the timings), and in it the phases with the durations
@@ -188,7 +190,7 @@ class WeightPush:
         if trace is None:
             return
         pid = GENERATOR_PID + index
-        trace.span("weight push", f"push v{version}", start, end, pid=pid,
+        trace.span("weight push", f"push v{policy_version}", start, end, pid=pid,
                    **{k.removeprefix("weight_sync/"): round(v, 6) for k, v in timings.items()})
         gather_end = min(end, start + timings.get("weight_sync/gather_s", 0.0))
         if gather_end > start:
@@ -205,12 +207,12 @@ class WeightPush:
         trace.span("weight push", "convert", convert_start, load_start, pid=pid)
         trace.span("weight push", "load", load_start, load_end, pid=pid)
 
-    async def _pulled(self, generator: GeneratorHandle, version: int, moved: float) -> None:
-        """``generator`` serves ``version`` now."""
+    async def _pulled(self, generator: GeneratorHandle, policy_version: int, moved: float) -> None:
+        """``generator`` serves ``policy_version`` now."""
         if generator.name not in self.reported:
             self.reported.add(generator.name)
             logger.info("%s: pushes by %s; v%d moved %.1f MB", generator.name,
-                        generator.weight_transport, version, moved / 1e6)
+                        generator.weight_transport, policy_version, moved / 1e6)
         if self.abort_on_pull:
             # Partial rollouts: running requests return their tokens so far and are resumed
             # (prompt + partial) on the new weights (partial_rollout.py).
@@ -219,53 +221,54 @@ class WeightPush:
             except Exception as e:  # it pulled, then died: the pool replaces it
                 if not (isinstance(e, GeneratorLostError) or is_supervision_error(e)):
                     raise
-                generator.mark_lost(f"after the push of v{version}: {e}")
-                logger.warning("%s was lost after the push of v%d", generator.name, version)
+                generator.mark_lost(f"after the push of v{policy_version}: {e}")
+                logger.warning("%s was lost after the push of v%d", generator.name, policy_version)
                 return
         if self.trainer.verify_push and generator.weight_transport != "shared_memory":
-            await self.trainer.verify_weights([generator], version)  # debug: gathers
+            await self.trainer.verify_weights([generator], policy_version)  # debug: gathers
             self.totals.num_verified += 1
 
-    async def to_replacement(self, new: GeneratorHandle, version: int) -> None:
-        """``version`` into a replacement (not serving yet): shared memory, or a relay chain of
-        one."""
+    async def to_replacement(self, new: GeneratorHandle, policy_version: int) -> None:
+        """``policy_version`` into a replacement (not serving yet): shared memory, or a relay
+        chain of one."""
         if new.weight_transport == "shared_memory":
-            await until_lost(new, self.trainer.push_weights(new, version))
+            await until_lost(new, self.trainer.push_weights(new, policy_version))
             return
         attempt = REPLACEMENT_ATTEMPT  # apart from the loop's attempts of the same version
         # The loop may be training meanwhile: no step between the send and the read-back.
         async with self.trainer.weights_lock:
-            wait = until_lost(new, new.rank0.wait_weights.call_one(version, attempt))
+            wait = until_lost(new, new.rank0.wait_weights.call_one(policy_version, attempt))
             waiting = asyncio.ensure_future(wait)
             try:
-                await self.trainer.relay_weights([new], version, attempt)
+                await self.trainer.relay_weights([new], policy_version, attempt)
                 await asyncio.wait_for(waiting, RELAY_TIMEOUT_S)
             finally:
                 waiting.cancel()
             if self.trainer.verify_push:
-                await self.trainer.verify_weights([new], version)
+                await self.trainer.verify_weights([new], policy_version)
 
 
-async def _relay_once(trainer: TrainerClient, chain: list[GeneratorHandle], version: int,
+async def _relay_once(trainer: TrainerClient, chain: list[GeneratorHandle], policy_version: int,
                       attempt: int, push: PushTotals
                       ) -> AsyncIterator[tuple[int, dict[str, float]]]:
-    """One relay of ``version`` down ``chain``: yields ``(position, result)`` as each generator
-    finishes; a generator lost on the way is marked lost, and the ones after it in the chain
-    never finish. The trainer's own call failing raises: that is the trainer's death (its sends
-    do not wait for generators, so a lost generator cannot fail it)."""
-    waits = [asyncio.ensure_future(until_lost(h, h.rank0.wait_weights.call_one(version, attempt)))
+    """One relay of ``policy_version`` down ``chain``: yields ``(position, result)`` as each
+    generator finishes; a generator lost on the way is marked lost, and the ones after it in the
+    chain never finish. The trainer's own call failing raises: that is the trainer's death (its
+    sends do not wait for generators, so a lost generator cannot fail it)."""
+    waits = [asyncio.ensure_future(
+                 until_lost(h, h.rank0.wait_weights.call_one(policy_version, attempt)))
              for h in chain]
     position_of = {wait: p for p, wait in enumerate(waits)}
     waiting = set(waits)
     try:
-        push.by_trainer(await trainer.relay_weights(chain, version, attempt))
+        push.by_trainer(await trainer.relay_weights(chain, policy_version, attempt))
         cut = len(chain)  # chain positions past a lost generator never get the rest
         while active := {w for w in waiting if position_of[w] < cut}:
             finished, _ = await asyncio.wait(active, timeout=RELAY_TIMEOUT_S,
                                              return_when=asyncio.FIRST_COMPLETED)
             if not finished:
-                raise RuntimeError(f"relay of policy version {version}: no generator finished "
-                                   f"in {RELAY_TIMEOUT_S:.0f} s")
+                raise RuntimeError(f"relay of policy version {policy_version}: no generator "
+                                   f"finished in {RELAY_TIMEOUT_S:.0f} s")
             for wait in finished:
                 waiting.discard(wait)
                 p = position_of[wait]
@@ -274,9 +277,9 @@ async def _relay_once(trainer: TrainerClient, chain: list[GeneratorHandle], vers
                 except Exception as e:
                     if not (isinstance(e, GeneratorLostError) or is_supervision_error(e)):
                         raise
-                    chain[p].mark_lost(f"during the relay of v{version}: {e}")
+                    chain[p].mark_lost(f"during the relay of v{policy_version}: {e}")
                     logger.warning("relay v%d: %s was lost (chain position %d of %d)",
-                                   version, chain[p].name, p, len(chain))
+                                   policy_version, chain[p].name, p, len(chain))
                     cut = min(cut, p)
                     continue
                 push.by_generator(result)

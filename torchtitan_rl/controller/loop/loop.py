@@ -6,7 +6,7 @@
                group and its packed samples) -> gate.finish(g, samples)
                (a group that lost its generator restarts whole from its prompt)
     trainer:   gate.take_step_groups(step) -> P finished groups -> trainer.train_step(samples)
-               -> generators.push_weights(step + 1) -> gate.publish_version(step + 1)
+               -> generators.push_weights(step + 1) -> gate.publish_policy_version(step + 1)
                -> metrics, trained_samples.jsonl, rollouts JSONL -> validation / checkpoint when due
 
 The bound (staleness.py): a group admitted at version v is trained at a step <= v + S. S = 0 is
@@ -226,7 +226,7 @@ class TrainingLoop(Configurable):
             {"val": f"{state.validation_history[-1][1]:.3f}"} if state.validation_history else {})
         """What the bar shows after its count: the newest reward, validation, tokens/s, step."""
         self.gate: StalenessGate[_GroupResult] = config.staleness.build(
-            groups_per_step=config.groups_per_step, version=state.step,
+            groups_per_step=config.groups_per_step, policy_version=state.step,
             first_group_id=state.next_group_id,
             replacements_per_version=config.replace_dropped_groups,
         )
@@ -374,7 +374,7 @@ class TrainingLoop(Configurable):
         # vLLM's own numbers, read before the next step's groups can start (with S = 0 a step's
         # window then holds its own generation, and the validation before it)
         engine_reports = await parts.generators.take_engine_stats()
-        await self.gate.publish_version(version)
+        await self.gate.publish_policy_version(version)
         end = time.perf_counter()
 
         state.step = version

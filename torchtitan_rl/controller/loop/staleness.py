@@ -77,15 +77,15 @@ class StalenessGate(Configurable, Generic[ResultT]):
             if self.max_staleness < 0:
                 raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
 
-    def __init__(self, config: Config, *, groups_per_step: int, version: int = 0,
+    def __init__(self, config: Config, *, groups_per_step: int, policy_version: int = 0,
                  first_group_id: int = 0, replacements_per_version: int = 0) -> None:
         if groups_per_step < 1:
             raise ValueError(f"groups_per_step must be >= 1, got {groups_per_step}")
         self.config = config
         self.groups_per_step = groups_per_step
-        self.version = version
+        self.policy_version = policy_version
         """t: steps published to the generators."""
-        self.num_consumed = version * groups_per_step
+        self.num_consumed = policy_version * groups_per_step
         self.num_admitted = self.num_consumed
         self.num_replaced = 0
         """Groups that left without a signal and were replaced (dynamic sampling)."""
@@ -98,7 +98,7 @@ class StalenessGate(Configurable, Generic[ResultT]):
     # ---- capacity ------------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
-        return (self.config.max_staleness + 1 + self.version) * self.groups_per_step
+        return (self.config.max_staleness + 1 + self.policy_version) * self.groups_per_step
 
     @property
     def num_admitted_live(self) -> int:
@@ -122,11 +122,11 @@ class StalenessGate(Configurable, Generic[ResultT]):
                 lambda: self.can_admit() and (limit is None or self.num_admitted_live < limit))
             group_id = self._next_group_id
             self._next_group_id += 1
-            self._entries[group_id] = _Entry(group_id=group_id, admit_version=self.version)
+            self._entries[group_id] = _Entry(group_id=group_id, admit_version=self.policy_version)
             self.num_admitted += 1
             self._check_unlocked()
             self._changed.notify_all()
-            return group_id, self.version
+            return group_id, self.policy_version
 
     async def readmit(self, group_id: int, admit_version: int) -> None:
         """Re-register a group that was in flight at a checkpoint (restarted from its prompt)."""
@@ -175,11 +175,12 @@ class StalenessGate(Configurable, Generic[ResultT]):
             self._changed.notify_all()
             return taken
 
-    async def publish_version(self, version: int) -> None:
-        """The generators now serve ``version``: capacity grows by P per version."""
+    async def publish_policy_version(self, policy_version: int) -> None:
+        """The generators now serve ``policy_version``: capacity grows by P per version."""
         async with self._changed:
-            assert version >= self.version, f"version went back: {self.version} -> {version}"
-            self.version = version
+            assert policy_version >= self.policy_version, (
+                f"policy version went back: {self.policy_version} -> {policy_version}")
+            self.policy_version = policy_version
             self._replacements_left = self.replacements_per_version
             self._check_unlocked()
             self._changed.notify_all()
