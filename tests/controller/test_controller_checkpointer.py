@@ -87,12 +87,16 @@ def test_outputs_without_a_checkpoint_are_never_wiped_and_overwrite_moves_them(t
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+    (run_dir / "trace.json").write_text("[]")  # the timeline, and a resumed part's
+    (run_dir / "trace-1.json").write_text("[]")
     with pytest.raises(ConfigError, match="and no complete checkpoint to resume"):
         _checkpointer(run_dir).prepare_run_dir()
     assert _checkpointer(run_dir, overwrite=True).prepare_run_dir() is None
-    assert not (run_dir / "metrics.jsonl").exists()
+    assert not any(run_dir.iterdir())
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
     assert (aside / "metrics.jsonl").read_text() == '{"step": 0}\n'
+    assert sorted(p.name for p in aside.iterdir()) == ["metrics.jsonl", "trace-1.json",
+                                                       "trace.json"]
     with pytest.raises(ValueError, match="overwrite=True contradicts resume='must'"):
         Checkpointer.Config(overwrite=True, resume="must")
 

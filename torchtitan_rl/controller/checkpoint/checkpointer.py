@@ -341,7 +341,8 @@ class Checkpointer(Configurable):
             self._check_config(found[0])
             self._set_aside_newer_than(found[1].step)
             return found
-        outputs = [name for name in _RUN_OUTPUTS if (self.run_dir / name).exists()]
+        outputs = [name for name in _RUN_OUTPUTS if (self.run_dir / name).exists()] + sorted(
+            path.name for path in self.run_dir.glob("trace*.json"))  # metrics/trace.py's
         if outputs and not self.config.overwrite:
             why = "and no complete checkpoint to resume" if mode == "auto" else \
                 "and checkpoint.resume='never'"
