@@ -202,7 +202,7 @@ def test_minibatch_steps_resume_bit_for_bit(tiny_model_dir, tmp_path, setting):
 def test_a_step_is_skipped_only_when_every_update_was(tiny_model_dir, nan_updates, skipped_step):
     core = _core(tiny_model_dir, num_minibatches=2, ppo_epochs=2)
     calls = []
-    policy_loss, forward_backward = core._policy_loss, core._forward_backward
+    policy_loss, forward_backward = core._policy_loss, core.forward_backward
 
     def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(None)
@@ -212,7 +212,7 @@ def test_a_step_is_skipped_only_when_every_update_was(tiny_model_dir, nan_update
         loss, sums, maxima = policy_loss(*args, **kwargs)
         return (loss * float("nan") if len(calls) - 1 in nan_updates else loss), sums, maxima
 
-    core._forward_backward, core._policy_loss = counted, nan_in_some
+    core.forward_backward, core._policy_loss = counted, nan_in_some
     before = _weights(core)
     core.forward_backward_samples(_samples(3), BATCHER)
     metrics = core.optim_step()

@@ -302,26 +302,27 @@ class PolicyTrainerCore(Configurable):
                 if updates:  # the previous update's AdamW step
                     applied = self._apply_gradients(self._lr_at(self.policy_version))
                     skipped += int(applied["trainer/skipped_step"])
-                updates.append(self._forward_backward(batch, old_logprobs=old,
-                                                      critic_targets=targets))
+                updates.append(self.forward_backward(batch, old_logprobs=old,
+                                                     critic_targets=targets, starts_step=False))
         updates[0]["trainer/old_logprobs_s"] = prepare_s
         self._earlier_updates = (len(updates) - 1, skipped)
         return updates
 
-    def forward_backward(self, batch: TrainingBatch) -> dict[str, float]:
-        """Run this rank's microbatches of ``batch``, accumulate gradients; return step metrics
-        (reduced over data-parallel ranks)."""
-        if batch.dp_size != self.dp_size:
-            raise ValueError(f"batch has dp_size {batch.dp_size}, the trainer has {self.dp_size}")
-        self.utilization.start()
-        return self._forward_backward(batch)
-
-    def _forward_backward(self, batch: TrainingBatch, *,
-                          old_logprobs: list[torch.Tensor] | None = None,
-                          critic_targets: list[CriticTargets] | None = None) -> dict[str, float]:
-        """One update's forward/backward of this rank's microbatches; ``old_logprobs`` (the old
-        policy's, per microbatch) and ``critic_targets`` computed before the step's first
-        update, or here (one update a step)."""
+    def forward_backward(self, batch: TrainingBatch, *,
+                         old_logprobs: list[torch.Tensor] | None = None,
+                         critic_targets: list[CriticTargets] | None = None,
+                         starts_step: bool = True) -> dict[str, float]:
+        """One update: run this rank's microbatches of ``batch``, accumulate gradients; return
+        its metrics (reduced over data-parallel ranks). ``old_logprobs`` (the old policy's, per
+        microbatch) and ``critic_targets``: computed before the step's first update, or here
+        (one update a step). ``starts_step``: the step's only update, which checks the batch's
+        data-parallel size and starts the step's utilization meter (``minibatch_updates`` did
+        both already for its updates)."""
+        if starts_step:
+            if batch.dp_size != self.dp_size:
+                raise ValueError(f"batch has dp_size {batch.dp_size}, the trainer has "
+                                 f"{self.dp_size}")
+            self.utilization.start()
         start = time.perf_counter()
         self.model.train()
         sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
