@@ -79,7 +79,7 @@ def test_python_composition_with_replace():
         (["--checkpoint.overwrite", "maybe"], "checkpoint.overwrite: expected bool (true/false), got 'maybe'"),
         (["--checkpoint.resume", "maybe"], "checkpoint.resume: expected one of 'auto', 'never', 'must', got 'maybe'"),
         (["--model.size", "huge"], "model.size: expected one of 'tiny', 'demo', 'small', got 'huge'"),
-        (["--rollouter.group_size", "1"], "rollouter.group_size must be >= 2 (GRPO compares siblings), got 1"),
+        (["--rollouter.group_size", "1"], "rollouter: group_size must be >= 2 (GRPO compares siblings), got 1"),
         (["--config", "/nonexistent/run.toml"], "config file not found: /nonexistent/run.toml"),
         (["stray"], "unexpected command-line argument 'stray'"),
     ],

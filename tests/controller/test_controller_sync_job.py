@@ -296,7 +296,7 @@ def test_cross_field_errors_name_the_fields(tiny_model_dir, argv, message):
 
 
 def test_group_size_below_two_is_rejected_before_anything_runs():
-    with pytest.raises(ConfigError, match=r"rollouter.group_size must be >= 2 .*got 1"):
+    with pytest.raises(ConfigError, match=r"^rollouter: group_size must be >= 2 .*got 1$"):
         _config("--rollouter.group_size", "1")
 
 

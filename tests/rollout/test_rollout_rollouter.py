@@ -248,8 +248,10 @@ def test_rollouter_runs_alphabet_sort_with_an_oracle(tmp_path) -> None:  # type:
 def test_rollouter_config_errors_name_the_field() -> None:
     with pytest.raises(ValueError, match="max_rollout_tokens must be >= 2, got 1"):
         Rollouter.Config(max_rollout_tokens=1)
-    with pytest.raises(ValueError, match="group_size must be >= 1, got 0"):
-        Rollouter.Config(group_size=0)
+    for group_size in (0, 1):
+        with pytest.raises(ValueError, match=rf"^group_size must be >= 2 \(GRPO compares "
+                                             rf"siblings\), got {group_size}$"):
+            Rollouter.Config(group_size=group_size)
     with pytest.raises(ValueError, match="every_k_steps must be >= 0, got -1"):
         RolloutRecorder.Config(every_k_steps=-1)
 

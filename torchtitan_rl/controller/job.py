@@ -129,11 +129,6 @@ class RLJob(Configurable):
                                  "together (GAE needs the critic's values; the critic trains "
                                  f"for GAE): got {self.rollouter.advantage!r} and "
                                  f"{self.trainer.critic.enabled}")
-            if self.rollouter.group_size < 2:
-                raise ValueError(
-                    "rollouter.group_size must be >= 2 (GRPO compares siblings), got "
-                    f"{self.rollouter.group_size}"
-                )
             if self.trainer.weight_transport == "shared_memory" and self.placement.kind == "process":
                 raise ValueError("trainer.weight_transport='shared_memory' cannot reach the "
                                  "generators of placement.kind='process' (each simulated host is "

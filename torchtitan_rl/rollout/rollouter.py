@@ -72,7 +72,8 @@ class Rollouter(Configurable):
                                        "std over n (what std_normalize = true was)"}
 
         group_size: int = 8
-        """Sibling rollouts per episode (GRPO group), used when run_group_rollouts gets none."""
+        """Sibling rollouts per episode (GRPO group, >= 2: their rewards are compared), used when
+        run_group_rollouts gets none."""
         max_turns: int = 8
         """Cap on assistant turns per rollout; a rollout the env would continue past it ends
         TRUNCATED_MAX_TURNS."""
@@ -142,8 +143,9 @@ class Rollouter(Configurable):
         of the event-loop turn a group finished in."""
 
         def __post_init__(self) -> None:
-            if self.group_size < 1:
-                raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+            if self.group_size < 2:
+                raise ValueError(f"group_size must be >= 2 (GRPO compares siblings), got "
+                                 f"{self.group_size}")
             if self.num_workers < 0:
                 raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
             if not self.worker_outcome_interval_s >= 0:
