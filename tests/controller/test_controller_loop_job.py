@@ -349,6 +349,10 @@ def test_generator_killed_mid_step_is_replaced_and_nothing_is_lost(tmp_path):
     _assert_restarts_routed_once_more_each(log, last, tmp_path, num_steps, 1)
     assert last["generator/recovery_s"] > 0  # the run could only go on once it served
     assert "generator_0 replaced by generator_0_r1" in log
+    # the recovery on the timeline's "recoveries" track, as long as the log says it took
+    (recovery,) = [e for e in json.loads((run_dir / "trace.json").read_text())
+                   if e["ph"] == "X" and e["name"] == "generator_0 replaced by generator_0_r1"]
+    assert recovery["dur"] == pytest.approx(last["generator/recovery_s"] * 1e6, rel=1e-3)
     # LoRA (trainer.lora): the replacement, started from the base model, was given the current
     # adapters alone, read back bit for bit like every push.
     metrics = read_metrics(run_dir)
@@ -452,6 +456,11 @@ def test_a_lost_trainer_is_restored_inside_the_run_and_each_step_is_logged_once(
     assert [r["step"] for r in records if "time/step_s" in r] == [0, 1, 2, 3]
     validated = [r["step"] for r in records if "validation/reward_mean" in r]
     assert validated[0] == 0 and validated[-1] == 4 and len(set(validated)) == len(validated)
+    # the recovery on the timelines: the respawn in the first part's, the restore in the
+    # timeline the reopened metrics start (trace-1.json)
+    names = [{e["name"] for e in json.loads((run_dir / name).read_text()) if e["ph"] == "X"}
+             for name in ("trace.json", "trace-1.json")]
+    assert "trainer respawned" in names[0] and "trainer restored" in names[1]
 
 
 @pytest.mark.slow

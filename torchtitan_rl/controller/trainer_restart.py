@@ -65,6 +65,8 @@ async def restart_trainer(plan: ResolvedJob, parts: RunParts, watch: MeshFailure
                    short_report(watch.trainer_lost or ""), restart, plan.trainer.max_restarts,
                    extra=CONSOLE)
     await _respawn(plan, parts, restart)
+    parts.metrics.trace.span("recoveries", "trainer respawned", start, time.perf_counter(),
+                             restart=restart)
     watch.watch_trainer(parts.trainer.mesh_name)  # type: ignore[attr-defined]
     found = latest_complete_checkpoint(parts.checkpointer.root)
     resume_dir, state = found if found is not None else (
@@ -73,7 +75,10 @@ async def restart_trainer(plan: ResolvedJob, parts: RunParts, watch: MeshFailure
     parts.metrics.close()
     parts.metrics = plan.metrics.build(run_dir=pathlib.Path(plan.run_dir), purge_step=state.step,
                                        run_config=parts.checkpointer.job_config)
+    restoring = time.perf_counter()
     await continue_from(parts, resume_dir, state, rewind=True)
+    parts.metrics.trace.span("recoveries", "trainer restored", restoring, time.perf_counter(),
+                             step=state.step)  # in the reopened metrics' timeline
     logger.warning("trainer restarted in %.1f s; the run goes on from %s",
                    time.perf_counter() - start,
                    f"checkpoint step {state.step}" if resume_dir else "its start", extra=CONSOLE)

@@ -414,6 +414,9 @@ class GeneratorPool(ReplaceableMeshes):
                                    - self._others_routed_at_loss.pop(index))
         logger.warning("%s replaced by %s (policy v%d) in %.1f s", old.name, name,
                        self.policy_version, self.last_recovery_s)
+        if self.router.trace is not None:
+            self.router.trace.span("recoveries", f"{old.name} replaced by {name}", start,
+                                   start + self.last_recovery_s, policy_version=self.policy_version)
         return True
 
     async def _push_to_replacement(self, index: int, new: GeneratorHandle) -> None:
