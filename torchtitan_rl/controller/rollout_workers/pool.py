@@ -117,6 +117,8 @@ class RolloutWorkerPool(ReplaceableMeshes):
         # The router's state a replacement must start from (RouterMirror below).
         self._generators: list[GeneratorRef] = []
         self._out: set[int] = set()
+        self._generator_back = asyncio.Event()
+        """Set (and renewed) when a generator taken out serves again (put_back)."""
         self._in_push: set[int] = set()
 
     @classmethod
@@ -237,7 +239,20 @@ class RolloutWorkerPool(ReplaceableMeshes):
         assert self._respawn is not None
         old_stops = self.workers[index][0]
         try:
-            procs, actor = await self._respawn(index, name)
+            while True:
+                back = self._generator_back
+                try:
+                    procs, actor = await self._respawn(index, name)
+                    break
+                except Exception as e:
+                    # A generator being replaced: the new worker is handed its lost mesh, which
+                    # Monarch refuses once stopped. Spawn again once it serves (bounded).
+                    if not self._out:
+                        raise
+                    logger.warning("rollout worker %d: spawning %s failed (%s) while generators "
+                                   "%s are replaced: again once one is back", index, name, e,
+                                   sorted(self._out))
+                    await asyncio.wait_for(back.wait(), SPAWN_TIMEOUT_S)
         except Exception as e:
             if self._on_fatal is not None:
                 self._on_fatal(f"rollout worker {index} could not be replaced: {e}")
@@ -276,6 +291,8 @@ class RolloutWorkerPool(ReplaceableMeshes):
         self._out.discard(index)
         if index < len(self._generators):
             self._generators[index] = ref
+        back, self._generator_back = self._generator_back, asyncio.Event()
+        back.set()
         for _, actor in self.workers:
             actor.put_back.broadcast(index, ref)
 
