@@ -15,20 +15,24 @@ README = PACKAGE.parent / "README.md"
 STEP = re.compile(r"^\d+\. `([\w/]+\.py)` \((\d+) lines\)", re.M)
 
 NOT_OPENED: dict[str, str] = {
-    # the messages and the task, which the walk names in its preamble
-    "torchtitan_rl.types": "the messages between the steps",
-    "torchtitan_rl.rollout.types": "the messages between the steps",
+    # the task: the user's
     "torchtitan_rl.task": "the user's task",
-    "torchtitan_rl.rollout.message_env": "the user's task",
     # configs and process plumbing
     "torchtitan_rl.config": "config classes and errors",
-    "torchtitan_rl.generator.config": "config classes",
     "torchtitan_rl.console": "console and log set-up",
     "torchtitan_rl.faults": "fault injection for tests",
     "torchtitan_rl.metrics": "metric files",
     "torchtitan_rl.rollout.recorder": "the rollouts' log file",
     "torchtitan_rl.generator": "the package's re-exports (generator/__init__.py)",
     "torchtitan_rl.rollout": "the package's re-exports (rollout/__init__.py)",
+    # start-up and other launches, around the prompt's path
+    "torchtitan_rl.assets.model_source": "the model, made or found once (start-up)",
+    "torchtitan_rl.assets.warm_start": "the warm start, trained once or cached (start-up)",
+    "torchtitan_rl.assets.tokenizer": "the tokenizer, loaded once (start-up)",
+    "torchtitan_rl.threads": "each process's threads, set once (start-up)",
+    "torchtitan_rl.controller.resume": "a rerun's resume from a checkpoint",
+    "torchtitan_rl.controller.trainer_restart": "a lost trainer's restart",
+    "torchtitan_rl.controller.torchrun": "the torchrun launch (placement.kind = 'torchrun')",
     # around the step, not on the prompt's path
     "torchtitan_rl.controller.checkpoint": "checkpoints, every K steps",
     "torchtitan_rl.controller.loop.validation": "held-out validation, before and after",
@@ -53,7 +57,6 @@ NOT_OPENED: dict[str, str] = {
     "torchtitan_rl.trainer.lora": "LoRA adapters (trainer.lora.enabled)",
     "torchtitan_rl.assets.make_model": "the base model's digest (a LoRA checkpoint)",
     "torchtitan_rl.weight_sync.lora_pull": "an adapter push (trainer.lora.push)",
-    "torchtitan_rl.rollout.task_errors": "what a failing task is told (error paths)",
     "torchtitan_rl.monarch_failures": "whether an error means a dead actor (error paths)",
     "torchtitan_rl.models": "the model, built once; its HF names for the push",
     # other settings than the main job's
