@@ -26,19 +26,21 @@ slope), and the last line
     rss_mb=<per 100 steps> fds=<...> fds_held=<...> threads=<...> heap_blocks=<...>
     shm_segments=<...> checkpoints_mb=<...> logs_mb=<...> flat=True|False
 
-flat: RSS grows < 1 % of its post-warm-up value per 100 steps; the descriptors held (open at a
-sample and at the one before it, same number, same target), threads and segments never rise
-above their post-warm-up count; the checkpoints' size is bounded (< 1 % growth per 100 steps);
-the heap grows < 1 % per 100 steps. The logs' growth is reported, not judged.
+flat: RSS grows < 1 % of its post-warm-up value per 100 steps; the descriptors held, threads and
+segments never rise above their post-warm-up count; the checkpoints' size is bounded (< 1 %
+growth per 100 steps); the heap grows < 1 % per 100 steps. The logs' growth is reported, not
+judged.
 
-Why the held descriptors, not all: a sample comes when a step's line reaches metrics.jsonl, while
-the controller goes on writing (a ``with open(...)`` append, the TensorBoard writer's flush, the
-rollout viewer's rewrite every ``recorder.every_k_steps``), so a sample now and then catches one
-file open for a write that the next sample finds closed. Such a descriptor cannot pile up; one
-that is never closed is held from the sample after it opened on, and counted. The files caught
-open are printed (``descriptors open at one sample and closed by the next``) and every sample
-records what each process opened and closed since the previous one (``fds_opened``,
-``fds_closed``), so a rise names its file.
+Held descriptors: a sample comes when a step's line reaches metrics.jsonl, while the controller
+goes on writing (a ``with open(...)`` append, the TensorBoard writer's flush, the rollout viewer's
+rewrite every ``recorder.every_k_steps``, which reads metrics.jsonl), so a sample now and then
+catches a file open for one write. A descriptor that was not held at the previous sample is held
+only if the process still has it (same number, same target) ``RECHECK_S`` later, the sampler
+re-reading /proc/<pid>/fd meanwhile; a leaked one always is, and is counted. The files caught
+open for a moment are printed (``descriptors open at a sample and closed within``), and every
+sample records, per process (named by its role), its RSS and descriptor count, what it opened
+and closed since the previous sample (``fds_opened``, ``fds_closed``) and which new ones closed
+at once (``fds_closed_soon``), so a rise names its process and file.
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ SOAK_FLAGS = [
     # its spread for the 1,000 steps.
     "--trainer.optimizer.lr", "3e-5",
 ]
+RECHECK_S = 2.0
+"""How long a descriptor new at a sample may take to close and still not count as held: a file
+open for one write (a JSON line, a TensorBoard flush, the rollout viewer's page) closes well
+within it."""
 SERIES = ("rss_mb", "fds", "fds_held", "threads", "heap_blocks", "shm_segments",
           "checkpoints_mb", "logs_mb")
 
@@ -117,16 +123,35 @@ def _fd_targets(pid: int) -> dict[str, str]:
     return targets
 
 
+def _closed_within(pid: int, new: dict[str, str], seconds: float) -> dict[str, str]:
+    """Those of ``new`` (descriptor -> target) that ``pid`` closes (or points elsewhere) within
+    ``seconds``, re-reading its descriptors until all of them are closed or the time is up."""
+    closed: dict[str, str] = {}
+    deadline = time.monotonic() + seconds
+    while len(closed) < len(new) and time.monotonic() < deadline:
+        time.sleep(0.05)  # re-reading /proc: a process's descriptors have no event to wait on
+        try:
+            now = _fd_targets(pid)
+        except OSError:  # the process ended
+            break
+        closed.update({fd: t for fd, t in new.items() if now.get(fd) != t})
+    return closed
+
+
 def _sample(root: psutil.Process, run_dir: pathlib.Path, step: int, heap_blocks: float,
-            targets_before: dict[int, dict[str, str]]) -> dict:
-    """One sample of the run. ``targets_before`` holds each process's descriptors at the previous
-    sample; it is updated, and the sample records what each process opened and closed since."""
+            targets_before: dict[int, dict[str, str]], held_before: dict[int, dict[str, str]]
+            ) -> dict:
+    """One sample of the run. ``targets_before`` and ``held_before`` hold each process's
+    descriptors and held descriptors at the previous sample; both are updated. The sample records
+    what each process opened and closed since, and which of its new descriptors it closed within
+    RECHECK_S (not held)."""
     rss = fds = fds_held = threads = 0
     segments: set[str] = set()
     fds_by_process: dict[str, int] = {}
     rss_mb_by_process: dict[str, float] = {}
     fds_opened: dict[str, list[str]] = {}
     fds_closed: dict[str, list[str]] = {}
+    fds_closed_soon: dict[str, list[str]] = {}
     procs = _processes(root)
     for proc in procs:
         try:
@@ -140,8 +165,14 @@ def _sample(root: psutil.Process, run_dir: pathlib.Path, step: int, heap_blocks:
             targets = _fd_targets(proc.pid)
             fds_by_process[name] = len(targets)
             fds += len(targets)
-            before = targets_before.get(proc.pid, targets)  # a new process: all of it held
-            fds_held += sum(before.get(fd) == t for fd, t in targets.items())
+            held = held_before.get(proc.pid, targets)  # a new process: all of it held
+            new = {fd: t for fd, t in targets.items() if held.get(fd) != t}
+            soon = _closed_within(proc.pid, new, RECHECK_S) if new else {}
+            if soon:
+                fds_closed_soon[name] = [f"{fd} {t}" for fd, t in soon.items()]
+            held_before[proc.pid] = {fd: t for fd, t in targets.items() if fd not in soon}
+            fds_held += len(held_before[proc.pid])
+            before = targets_before.get(proc.pid, targets)
             if proc.pid in targets_before:
                 opened = [f"{fd} {t}" for fd, t in targets.items() if before.get(fd) != t]
                 closed = [f"{fd} {t}" for fd, t in before.items() if targets.get(fd) != t]
@@ -165,6 +196,7 @@ def _sample(root: psutil.Process, run_dir: pathlib.Path, step: int, heap_blocks:
         "rss_mb_by_process": rss_mb_by_process,  # which process's memory grew
         "fds_opened": fds_opened,  # per process: "fd target" opened (or reused) since last sample
         "fds_closed": fds_closed,
+        "fds_closed_soon": fds_closed_soon,  # new at this sample, closed within RECHECK_S
     }
 
 
@@ -235,6 +267,7 @@ def main() -> int:
     samples: list[dict] = []
     heap: dict[int, float] = {}
     fd_targets: dict[int, dict[str, str]] = {}
+    fds_held: dict[int, dict[str, str]] = {}
     offset, next_sample = 0, 0
     started = time.monotonic()
     try:
@@ -246,7 +279,7 @@ def main() -> int:
             offset, newest = _heap_blocks(metrics, offset, heap)
             while newest >= next_sample:  # a sample per --every steps, taken as soon as seen
                 samples.append(_sample(root, run_dir, next_sample, heap.get(next_sample, 0.0),
-                                       fd_targets))
+                                       fd_targets, fds_held))
                 next_sample += args.every
     finally:
         if proc.poll() is None:
@@ -273,13 +306,13 @@ def main() -> int:
     def within(key: str, fraction: float) -> bool:
         return growth[key] < fraction * max(first[key], 1e-9)
 
-    # never above their first value after warm-up; fds: those held across two samples (a file
-    # the run has open for one write when a sample comes is closed by the next: no leak)
+    # never above their first value after warm-up; fds: those held (a file the run has open for
+    # one write when a sample comes is closed a moment later: no leak)
     steady = all(max(s[k] for s in judged) <= first[k]
                  for k in ("fds_held", "threads", "shm_segments"))
     transient = _transient_fds(judged)
     if transient:
-        print("descriptors open at one sample and closed by the next (not judged): "
+        print(f"descriptors open at a sample and closed within {RECHECK_S:g} s (not held): "
               + "; ".join(f"{target} x{n}" for target, n in transient.most_common()))
     flat = (steady and within("rss_mb", 0.01) and within("heap_blocks", 0.01)
             and within("checkpoints_mb", 0.01))
@@ -298,13 +331,11 @@ def _steps_trained(metrics: pathlib.Path) -> int:
 
 
 def _transient_fds(samples: list[dict]) -> collections.Counter:
-    """How often each file was open at one sample and no more at the next (its descriptor number
-    dropped: a path's folder and name, pids and step numbers in it as they are)."""
+    """How often each file was caught open for a moment (closed within RECHECK_S)."""
     counts: collections.Counter = collections.Counter()
-    for sample, following in zip(samples, samples[1:]):
-        for name, opened in sample["fds_opened"].items():
-            closed = set(following["fds_closed"].get(name, []))
-            counts.update(entry.split(" ", 1)[1] for entry in opened if entry in closed)
+    for sample in samples:
+        for entries in sample["fds_closed_soon"].values():
+            counts.update(entry.split(" ", 1)[1] for entry in entries)
     return counts
 
 
