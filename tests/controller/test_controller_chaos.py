@@ -32,13 +32,14 @@ def _after_the_next_step(log: LogWatch) -> None:
 
 @pytest.mark.slow
 def test_a_rollout_worker_a_trainer_rank_and_a_tp_rank_killed_lose_nothing(tmp_path):
-    """One kill after another, each once the previous one is recovered: rollout worker 0
-    (replaced on its host, its groups restart from their prompts), rank 1 of the 2-rank trainer
-    (the whole trainer mesh respawned from the newest checkpoint; the steps after it trained
-    again), rank 1 of the TP-2 generator (rank 0 leaves its failed collective and the generator
-    is replaced whole; the only generator, so the run waits for it). Also a lifetime ending: a
-    success leaves no process of the run behind."""
-    num_steps, num_prompts = 12, 24
+    """Rollout worker 0 (replaced on its host, its groups restart from their prompts) and at once
+    rank 1 of the 2-rank trainer (the whole trainer mesh respawned from the newest checkpoint;
+    the steps after it trained again; the loop waits for it, so the run cannot end before the
+    worker's replacement, a few seconds, is logged); once both are recovered and a step more has
+    trained, rank 1 of the TP-2 generator (the generator replaced whole; the only generator, so
+    the run waits for it). Also a lifetime ending: a success leaves no process of the run
+    behind."""
+    num_steps, num_prompts = 16, 32
     run = RunSessions()
     try:
         proc = run.start(
@@ -51,13 +52,12 @@ def test_a_rollout_worker_a_trainer_rank_and_a_tp_rank_killed_lose_nothing(tmp_p
         log = LogWatch(proc.stderr)
         generator = log.wait_for(r"generator generator_0 started \(tp=2, pids (\d+),(\d+) ")
         trainer = log.wait_for(r"trainer policy_trainer started \(pids (\d+),(\d+) ")
-        worker = log.wait_for(r"rollout worker (\S+) started \(pid (\d+)\)")
+        worker = log.wait_for(r"rollout worker (rollout_worker_0) started \(pid (\d+)\)")
         run.look()
         _after_the_next_step(log)
         os.kill(int(worker.group(2)), signal.SIGKILL)
-        log.wait_for(r"rollout worker 0 replaced ")
-        _after_the_next_step(log)
         os.kill(int(trainer.group(2)), signal.SIGKILL)
+        log.wait_for(r"rollout worker 0 replaced ")
         log.wait_for(r"trainer restarted in ")
         _after_the_next_step(log)
         os.kill(int(generator.group(2)), signal.SIGKILL)
