@@ -167,6 +167,7 @@ def letters_toml_run(
     out = tmp_path_factory.mktemp("letters_toml")
     proc = run_module("torchtitan_rl.train", "--config", LETTERS_TOML, "--output_dir", str(out),
                       *LETTERS_VALIDATION,
+                      "--validation.greedy_reference", "true",  # a job's option, not eval's
                       # every tracker (tests/metrics/test_metrics_sinks_job.py reads them back)
                       "--metrics.backends", "tensorboard,wandb,trackio,mlflow")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -79,7 +79,7 @@ LETTERS_TOML = "tests/controller/tiny_letter_job.toml"
 # Sampled validation (temperature 1, 4 samples of 16 episodes): a reward with spread, so an eval
 # that agrees with it means the same tokens, not just a constant greedy reply.
 LETTERS_VALIDATION = ["--validation.num_prompts", "16", "--validation.samples_per_prompt", "4",
-                      "--validation.temperature", "1.0", "--validation.greedy_reference", "true",
+                      "--validation.temperature", "1.0",
                       # prompts 1, 4, 7, ... raise in score(): the failing-task checks (a run
                       # that goes on) and dynamic sampling's (their groups are replaced)
                       "--task.broken_score_every", "3"]
