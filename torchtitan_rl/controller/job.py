@@ -43,7 +43,7 @@ from torchtitan_rl.controller.checkpoint.resume_config import flat_config
 from torchtitan_rl.controller.hosts.placement import Placement
 from torchtitan_rl.controller.hosts.reaper import run_stoppable
 from torchtitan_rl.controller.loop.loop import RunParts, TrainingLoop
-from torchtitan_rl.controller.loop.validation import Validator, rise
+from torchtitan_rl.controller.loop.validation import Rise, Validator, rise
 from torchtitan_rl.controller.resolved_job import ResolvedJob
 from torchtitan_rl.controller.resume import continue_from
 from torchtitan_rl.controller.spawn import SpawnTrainer, build_parts
@@ -364,8 +364,7 @@ def _write_summary(plan: ResolvedJob, state: ControllerState, resumed: dict[str,
     (`RLJob._run_report`: trained steps, collapse, the constant-answer baseline, the wall time's
     breakdown)."""
     history = state.validation_history
-    change = rise(state.first_validation_episode_means, state.last_validation_episode_means) \
-        if len(history) > 1 else None
+    change = _run_rise(state)
     summary = {
         "reward_before": history[0][1] if history else None,
         "reward_after": history[-1][1] if history else None,
@@ -441,6 +440,13 @@ async def _make_model(plan: ResolvedJob) -> None:
         raise
 
 
+def _run_rise(state: ControllerState) -> Rise | None:
+    """The first validation to the last, paired by episode (None before a second validation)."""
+    if len(state.validation_history) < 2:
+        return None
+    return rise(state.first_validation_episode_means, state.last_validation_episode_means)
+
+
 def _plot(state: ControllerState, run_dir: pathlib.Path) -> None:
     """reward_curve.png: each step's training reward (faint) and its moving average over
     `SMOOTHING_STEPS` steps, every validation with its standard error (clustered by episode), and
@@ -468,8 +474,7 @@ def _plot(state: ControllerState, run_dir: pathlib.Path) -> None:
         ax.axhline(state.greedy_reward, color="tab:gray", linestyle="--", linewidth=1.5,
                    label="the start's greedy answers (where sharpening leads)")
     history = state.validation_history
-    change = rise(state.first_validation_episode_means, state.last_validation_episode_means) \
-        if len(history) > 1 else None
+    change = _run_rise(state)
     if change is not None:
         z = f", {change.z:.1f} standard errors" if change.z is not None else ""
         ax.set_title(f"validation {history[0][1]:.3f} -> {history[-1][1]:.3f}: "
