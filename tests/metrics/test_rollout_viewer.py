@@ -1,7 +1,7 @@
 """The rollout viewer's page: what the recorder keeps for it (each token and its generator
 logprob), what the page embeds (every recorded rollout of both sets, the step metrics), that no
 text a model wrote can break out of the page's script, that unreadable lines are counted, the
-command that rewrites it; in headless Chromium on a made-up run, the page-at-a-time drawing and
+command that rewrites it, the bound on the steps it holds; in headless Chromium on a made-up run, the page-at-a-time drawing and
 model text shown as text. The page on a real job's run: tests/metrics/rollout_viewer_browser.py,
 called by test_controller_multi_turn_job.py."""
 
@@ -14,6 +14,7 @@ import pathlib
 import re
 
 from tests.rollout.rollout_testlib import tiny_tokenizer
+from torchtitan_rl.metrics import rollout_viewer
 from torchtitan_rl.metrics.rollout_viewer import main, write_viewer
 from torchtitan_rl.rollout import RolloutRecorder, RolloutStatus
 from torchtitan_rl.rollout.types import Rollout, RolloutGroup, RolloutTurn
@@ -102,6 +103,38 @@ def test_viewer_embeds_rollouts_and_step_metrics_and_escapes_model_text(tmp_path
                                           "time/step_s": 2.0},
                                     "2": {"validation/reward_mean": 0.5}}
     assert not list(tmp_path.glob("*.partial"))
+
+
+def test_viewer_holds_the_last_max_steps_recorded_steps_read_from_the_files_end(tmp_path,
+                                                                                 monkeypatch):
+    """recorder.viewer_max_steps: the page holds the last N recorded steps of each set and the
+    step metrics from its first training step on, read backwards in blocks (a line across a
+    block's edge, a cut-short last line, non-ASCII text); None holds every step."""
+    (tmp_path / "rollouts").mkdir()
+    text = "Zoë " * 300  # multi-byte characters across the 1 KiB blocks below
+    training = [{"step": step, "group_id": g, "turns": [{"completion_text": text}]}
+                for step in range(0, 100, 10) for g in range(3)]
+    (tmp_path / "rollouts" / "rollouts.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in training) + '{"step": 100, "gro', encoding="utf-8")
+    validation = [{"step": step, "group_id": 0, "turns": []} for step in (0, 50, 90)]
+    (tmp_path / "rollouts" / "validation.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in validation))
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": step, "rollout_reward/mean": step / 100}) + "\n"
+        for step in range(100)))
+    monkeypatch.setattr(rollout_viewer, "READ_BLOCK_BYTES", 1024)
+    data = _embedded(write_viewer(tmp_path, max_steps=2))
+    assert data["sets"]["training"] == training[-6:]  # steps 80 and 90, in file order
+    assert data["sets"]["validation"] == validation[-2:]
+    assert data["num_skipped_lines"] == 1  # the cut-short line
+    assert sorted(map(int, data["step_metrics"])) == list(range(80, 100))
+    assert data["max_steps"] == 2
+    everything = _embedded(write_viewer(tmp_path))
+    assert everything["sets"]["training"] == training
+    assert everything["sets"]["validation"] == validation
+    assert len(everything["step_metrics"]) == 100
+    recorder = RolloutRecorder.Config(viewer_max_steps=3).build(run_dir=tmp_path)
+    assert len(_embedded(recorder.write_viewer())["sets"]["training"]) == 9
 
 
 def test_viewer_command_rewrites_the_page_and_names_what_is_missing(tmp_path, capsys):

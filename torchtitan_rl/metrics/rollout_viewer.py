@@ -29,6 +29,7 @@ import logging
 import os
 import pathlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ DEFAULT_ROLLOUTS_PATH = "rollouts/rollouts.jsonl"
 DEFAULT_VIEWER_PATH = "rollout_viewer.html"
 VALIDATION_FILE = "validation.jsonl"
 """The validations' rollouts, beside the training rollouts' file (RolloutRecorder)."""
+READ_BLOCK_BYTES = 1 << 20
+"""What a bounded read (``read_json_lines(last_steps=...)``) takes from a file's end at a time."""
 
 STEP_METRICS = (
     "rollout_reward/mean",
@@ -62,15 +65,24 @@ class _NonFinite:
         self.seen = True
 
 
-def read_json_lines(path: pathlib.Path) -> tuple[list[tuple[str, dict[str, Any]]], int]:
+def read_json_lines(path: pathlib.Path, *, last_steps: int | None = None,
+                    since_step: int | None = None) -> tuple[list[tuple[str, dict[str, Any]]], int]:
     """(the line as the page embeds it, the object) for each JSON object line of ``path`` (none
     when it does not exist), and the number of lines that were not one (a line cut short by a
     killed run): those are skipped, counted and logged. A line is embedded as written unless it
-    holds NaN or Infinity (then re-written with null there)."""
+    holds NaN or Infinity (then re-written with null there).
+
+    ``last_steps``: only the lines of the file's last that many steps (by their ``step``);
+    ``since_step``: only the lines of steps from it on. Either reads the file from its end, as
+    far back as those lines go (the files are written in step order; a resume cuts what it
+    replays), so the work does not grow with the run's length."""
     if not path.exists():
         return [], 0
-    found, num_bad = [], 0
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    bounded = last_steps is not None or since_step is not None
+    lines = _lines_from_the_end(path) if bounded else enumerate(
+        path.read_text(encoding="utf-8").splitlines(), start=1)
+    found, num_bad, steps = [], 0, set()
+    for where, line in lines:
         if not line.strip():
             continue
         non_finite = _NonFinite()
@@ -78,21 +90,53 @@ def read_json_lines(path: pathlib.Path) -> tuple[list[tuple[str, dict[str, Any]]
             record = json.loads(line, parse_constant=non_finite)
         except json.JSONDecodeError as e:
             num_bad += 1
-            logger.warning("%s line %d skipped: not JSON (%s)", path, number, e)
+            logger.warning("%s line %s skipped: not JSON (%s)", path, where, e)
             continue
         if not isinstance(record, dict):
             num_bad += 1
-            logger.warning("%s line %d skipped: not a JSON object", path, number)
+            logger.warning("%s line %s skipped: not a JSON object", path, where)
             continue
+        if bounded:
+            step = record.get("step")
+            if since_step is not None and isinstance(step, int) and step < since_step:
+                break
+            if last_steps is not None and step not in steps:
+                if len(steps) == last_steps:
+                    break
+                steps.add(step)
         found.append((json.dumps(record) if non_finite.seen else line.strip(), record))
+    if bounded:
+        found.reverse()
     return found, num_bad
 
 
-def read_step_metrics(path: pathlib.Path) -> dict[int, dict[str, float | None]]:
-    """{step: the `STEP_METRICS` it logged} from metrics.jsonl (later lines of a step win, as
-    after a resume; a non-finite value is None)."""
+def _lines_from_the_end(path: pathlib.Path) -> Iterator[tuple[str, str]]:
+    """``path``'s lines, last first, read `READ_BLOCK_BYTES` at a time from the end: ("N from
+    the end", the line)."""
+    with path.open("rb") as f:
+        position = f.seek(0, os.SEEK_END)
+        rest = b""
+        number = 0
+        while position > 0:
+            size = min(READ_BLOCK_BYTES, position)
+            position -= size
+            f.seek(position)
+            block = f.read(size) + rest
+            parts = block.split(b"\n")
+            rest = parts[0]  # may continue in the block before
+            for raw in reversed(parts[1:]):
+                number += 1
+                yield f"{number} from the end", raw.decode("utf-8", errors="replace")
+        if rest:
+            yield f"{number + 1} from the end", rest.decode("utf-8", errors="replace")
+
+
+def read_step_metrics(path: pathlib.Path, since_step: int | None = None
+                      ) -> dict[int, dict[str, float | None]]:
+    """{step: the `STEP_METRICS` it logged} from metrics.jsonl, of the steps from ``since_step``
+    on (None: all; later lines of a step win, as after a resume; a non-finite value is None)."""
     by_step: dict[int, dict[str, float | None]] = {}
-    for _, record in read_json_lines(path)[0]:
+    for _, record in read_json_lines(path, since_step=since_step)[0]:
         step = record.get("step")
         if isinstance(step, int):
             by_step.setdefault(step, {}).update(
@@ -100,25 +144,32 @@ def read_step_metrics(path: pathlib.Path) -> dict[int, dict[str, float | None]]:
     return {step: values for step, values in sorted(by_step.items()) if values}
 
 
-def page_data(run_dir: pathlib.Path, rollouts_path: str = DEFAULT_ROLLOUTS_PATH
-              ) -> tuple[str, dict[str, int]]:
+def page_data(run_dir: pathlib.Path, rollouts_path: str = DEFAULT_ROLLOUTS_PATH,
+              max_steps: int | None = None) -> tuple[str, dict[str, int]]:
     """The JSON the page embeds, and the number of rollouts of each set in it: the run's name,
-    the step metrics (the validations' among them) and every recorded rollout in file order
+    the step metrics (the validations' among them) and the recorded rollouts in file order
     (step, group, rollout), the training rollouts' and the validations' (``validation.jsonl``
-    beside them: RolloutRecorder.record_validation). The rollout lines go in as written (no
-    parse-and-dump of megabytes at every step). ``<`` is escaped, so no text a model wrote can
-    close the page's script element."""
+    beside them: RolloutRecorder.record_validation), of each set the last ``max_steps`` steps
+    recorded (None: all; then the step metrics are those from the first training step shown on,
+    so that no file is read whole). The rollout lines go
+    in as written (no parse-and-dump of megabytes at every step). ``<`` is escaped, so no text
+    a model wrote can close the page's script element."""
     path = run_dir / rollouts_path
     sets: dict[str, list[str]] = {}
     num_bad = 0
+    first_step: int | None = None
     for name, file in (("training", path), ("validation", path.with_name(VALIDATION_FILE))):
-        lines, bad = read_json_lines(file)
+        lines, bad = read_json_lines(file, last_steps=max_steps)
         sets[name], num_bad = [line for line, _ in lines], num_bad + bad
+        if name == "training" and max_steps is not None:
+            first_step = min((record["step"] for _, record in lines
+                              if isinstance(record.get("step"), int)), default=None)
     head = json.dumps({
         "run_name": run_dir.resolve().name,
         "rollouts_path": rollouts_path,
+        "max_steps": max_steps,
         "step_metrics": {str(step): values for step, values in
-                         read_step_metrics(run_dir / "metrics.jsonl").items()},
+                         read_step_metrics(run_dir / "metrics.jsonl", first_step).items()},
         "num_skipped_lines": num_bad,
     }, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     rollouts = ",".join(f'"{name}":[{",".join(lines)}]' for name, lines in sets.items())
@@ -127,13 +178,15 @@ def page_data(run_dir: pathlib.Path, rollouts_path: str = DEFAULT_ROLLOUTS_PATH
 
 
 def write_viewer(run_dir: str | pathlib.Path, *, rollouts_path: str = DEFAULT_ROLLOUTS_PATH,
-                 viewer_path: str = DEFAULT_VIEWER_PATH) -> pathlib.Path:
-    """(Re)write the page from the run folder's files; returns its path. The file is replaced
-    whole (written beside it, then renamed), so a browser never reads half a page."""
+                 viewer_path: str = DEFAULT_VIEWER_PATH,
+                 max_steps: int | None = None) -> pathlib.Path:
+    """(Re)write the page from the run folder's files, the last ``max_steps`` recorded steps
+    of each set (page_data); returns its path. The file is replaced whole (written beside it,
+    then renamed), so a browser never reads half a page."""
     run_dir = pathlib.Path(run_dir)
     out = run_dir / viewer_path
     out.parent.mkdir(parents=True, exist_ok=True)
-    payload, counts = page_data(run_dir, rollouts_path)
+    payload, counts = page_data(run_dir, rollouts_path, max_steps)
     partial = out.with_name(out.name + ".partial")
     partial.write_text(_PAGE.replace("/*DATA*/", payload), encoding="utf-8")
     os.replace(partial, out)
@@ -152,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(recorder.path; default %(default)s)")
     parser.add_argument("--out", default=DEFAULT_VIEWER_PATH,
                         help="the page, relative to the run folder (default %(default)s)")
+    parser.add_argument("--max-steps", type=int, default=0,
+                        help="only the last N recorded steps of the training rollouts and of the "
+                             "validations (recorder.viewer_max_steps; default 0: all)")
     args = parser.parse_args(argv)
     # Errors are one `error:` line with exit 2, as the train and eval commands' are.
     if not args.run_dir.is_dir():
@@ -163,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    write_viewer(args.run_dir, rollouts_path=args.rollouts, viewer_path=args.out)
+    write_viewer(args.run_dir, rollouts_path=args.rollouts, viewer_path=args.out,
+                 max_steps=args.max_steps or None)
     return 0
 
 
@@ -469,6 +526,7 @@ function main() {
     .map(([step, m]) => `${step}: ${fmt(m["validation/reward_mean"])}`);
   if (validations.length) bits.push(`validation reward at step ${validations.join(", ")}`);
   if (DATA.num_skipped_lines) bits.push(`${DATA.num_skipped_lines} unreadable lines skipped`);
+  if (DATA.max_steps) bits.push(`the last ${DATA.max_steps} recorded steps at most (all: ${DATA.rollouts_path})`);
   $("summary").textContent = bits.join(" · ");
   fillControls(); readHash();
   if (!ALL.length) {

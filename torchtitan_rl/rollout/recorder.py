@@ -39,6 +39,10 @@ class RolloutRecorder(Configurable):
         """Most episodes of a validation recorded (the first ones, every sample of each); None
         records all. A recorded rollout takes about 9 KB of validation.jsonl and of the viewer
         page, so a validation of thousands of episodes is better sampled."""
+        viewer_max_steps: int | None = 50
+        """The viewer page holds the rollouts of the last this many recorded steps, and of the
+        last this many validations (the JSONL files keep all of them); None: every one. Bounds
+        what each rewrite reads and holds, which otherwise grows with the run's length."""
         viewer: bool = True
         """Write the rollout viewer, rollout_viewer.html in the run folder: one HTML page of the
         recorded rollouts to open in a browser (docs/reading_a_run.md), rewritten after each
@@ -50,7 +54,7 @@ class RolloutRecorder(Configurable):
                 raise ValueError(f"every_k_steps must be >= 0, got {self.every_k_steps}")
             if pathlib.PurePath(self.path).is_absolute():
                 raise ValueError(f"path must be relative to the run directory, got {self.path}")
-            for name in ("max_groups_per_step", "max_validation_groups"):
+            for name in ("max_groups_per_step", "max_validation_groups", "viewer_max_steps"):
                 value = getattr(self, name)
                 if value is not None and value < 1:
                     raise ValueError(f"{name} must be >= 1 or None, got {value}")
@@ -101,7 +105,8 @@ class RolloutRecorder(Configurable):
         ``viewer`` is off or nothing is recorded (every_k_steps = 0)."""
         if not self.config.viewer or self.config.every_k_steps == 0:
             return None
-        return write_viewer(self.run_dir, rollouts_path=self.config.path)
+        return write_viewer(self.run_dir, rollouts_path=self.config.path,
+                            max_steps=self.config.viewer_max_steps)
 
 
 def validation_rollouts_path(rollouts_path: pathlib.Path) -> pathlib.Path:
