@@ -2,7 +2,9 @@
 
 Fast: the assignment of groups to workers, the router's mirrors, what the controller makes of a
 worker's outcome (a lost generator is GeneratorLostError here; a cancelled call cancels the group
-there), the agent-task refusal. Slow (real Monarch procs, vLLM, torchtitan): a job whose rollouts
+there), a replacement's start (the generators out handed without their meshes, the router's
+changes while it started told once it is ready; the workers on a generator host lost for good
+replaced on a host left), the agent-task refusal. Slow (real Monarch procs, vLLM, torchtitan): a job whose rollouts
 run in two workers on a simulated generator host trains exactly the groups and losses of a job
 without workers (S = 0, one seed); a generator killed mid-run with workers on is replaced and its
 groups restart whole; a rollout worker killed mid-run is replaced and its groups restart whole;
@@ -38,8 +40,12 @@ from torchtitan_rl.controller.rollout_workers.pool import (
     RolloutWorkerPool,
     WorkerAssigner,
 )
-from torchtitan_rl.controller.rollout_workers.worker import GroupAssignment, GroupOutcome
-from torchtitan_rl.generator import GeneratorLostError
+from torchtitan_rl.controller.rollout_workers.worker import (
+    GeneratorRef,
+    GroupAssignment,
+    GroupOutcome,
+)
+from torchtitan_rl.generator import GeneratorHandle, GeneratorLostError
 from torchtitan_rl.generator.router import GeneratorRouter
 from torchtitan_rl.types import Sampling
 
@@ -151,8 +157,15 @@ class _Worker:
         return [a.group_id for a in self.assigned]
 
 
-def _pool(workers, **kwargs) -> RolloutWorkerPool:
-    return RolloutWorkerPool(workers, open_channel=_open_channel, **kwargs)
+def _refs(num_generators: int) -> list[GeneratorRef]:
+    """What a pool hands its workers, one per generator (a mesh stands in as any object)."""
+    return [GeneratorRef(name=f"generator_{g}", actors=object(), config=None)
+            for g in range(num_generators)]
+
+
+def _pool(workers, num_generators: int, **kwargs) -> RolloutWorkerPool:
+    return RolloutWorkerPool(workers, generators=_refs(num_generators),
+                             open_channel=_open_channel, **kwargs)
 
 
 def test_a_lost_outcome_is_generator_lost_and_a_cancelled_call_cancels_the_group_there():
@@ -235,6 +248,7 @@ class _ReplaceableWorker(_Worker):
     def __init__(self, reply) -> None:
         super().__init__(reply)
         self.take_out = _Endpoint()
+        self.put_back = _Endpoint()
         self.set_in_push = _Endpoint()
 
 
@@ -243,6 +257,17 @@ class _Procs:
 
     async def stop(self) -> None:
         self.stopped += 1
+
+
+class _Actors:
+    """A generator's actor mesh as a handle slices it."""
+
+    def slice(self, **where) -> _Actors:
+        return self
+
+
+def _handle(name: str) -> GeneratorHandle:
+    return GeneratorHandle(procs=None, actors=_Actors(), config=None, name=name)
 
 
 def test_a_lost_worker_fails_its_groups_takes_none_and_its_replacement_learns_the_router():
@@ -256,19 +281,23 @@ def test_a_lost_worker_fails_its_groups_takes_none_and_its_replacement_learns_th
 
     lost_worker, other = _ReplaceableWorker(never), _ReplaceableWorker(finish)
     replacement = _ReplaceableWorker(finish)
-    respawned: list[tuple[int, str]] = []
-    may_come_back = asyncio.Event()
+    respawned: list[tuple[int, str, list[GeneratorRef]]] = []
+    spawning, may_come_back = asyncio.Event(), asyncio.Event()
 
-    async def respawn(index: int, name: str):
-        respawned.append((index, name))
+    async def respawn(index: int, name: str, handed: list[GeneratorRef]):
+        respawned.append((index, name, handed))
+        spawning.set()
         await may_come_back.wait()
         return _Procs(), replacement
 
     old_procs = _Procs()
-    pool = _pool([(old_procs, lost_worker), (_Procs(), other)], num_generators=2,
+    pool = _pool([(old_procs, lost_worker), (_Procs(), other)], num_generators=3,
                  respawn=respawn)
-    pool.take_out(1, "SIGKILL")  # generator 1 is out when the replacement starts
+    serving = list(pool._generators)
+    pool.take_out(1, "SIGKILL")  # generator 1 is out when the replacement starts (lost, or
+    pool.take_out(2, "its host is gone")  # lost for good: never put back)
     pool.set_in_push([0], True)  # and generator 0 pulls weights
+    generator_1_r1 = _handle("generator_1_r1")
 
     async def go() -> None:
         stuck = asyncio.create_task(pool.run_group(3, 0, 4, Sampling()))  # to worker 0
@@ -280,16 +309,27 @@ def test_a_lost_worker_fails_its_groups_takes_none_and_its_replacement_learns_th
         with pytest.raises(RolloutWorkerLostError, match="rollout worker 0 was lost: SIGKILL"):
             await stuck
         assert (await pool.run_group(4, 1, 4, Sampling())).group_id == 4  # worker 1 only
+        await spawning.wait()
+        pool.put_back(1, generator_1_r1)  # while the replacement starts: it is not told yet
+        pool.take_out(0, "SIGKILL")
         may_come_back.set()
         while pool.assigner.down:
             await asyncio.sleep(0.01)
         assert (await pool.run_group(5, 2, 4, Sampling())).group_id == 5  # the replacement
 
     asyncio.run(asyncio.wait_for(go(), 10))
-    assert respawned == [(0, "rollout_worker_0_r1")]
+    (index, name, handed), = respawned
+    assert (index, name) == (0, "rollout_worker_0_r1")
+    # Generators out are handed without their (stopped) meshes: the worker starts them taken out.
+    assert handed[0] is serving[0]
+    assert [(ref.name, ref.actors) for ref in handed[1:]] == [("generator_1", None),
+                                                              ("generator_2", None)]
     assert other.group_ids == [4]
     assert replacement.group_ids == [5]
-    assert replacement.take_out.broadcasts == [(1, "lost before this worker started")]
+    # What changed while it started, once it is ready: generator 1 back, 0 lost; 2 stays out.
+    (back, ref), = replacement.put_back.broadcasts
+    assert back == 1 and ref.name == "generator_1_r1" and ref.actors is generator_1_r1.actors
+    assert replacement.take_out.broadcasts == [(0, "lost while this worker started")]
     assert replacement.set_in_push.broadcasts == [([0], True)]
     assert old_procs.stopped == 1
     assert pool.ignores("rollout_worker_0-a1b2") and not pool.ignores("rollout_worker_0_r1-c3")
@@ -303,7 +343,7 @@ def test_a_worker_lost_before_any_group_is_replaced_and_serves():
 
     replacement = _ReplaceableWorker(finish)
 
-    async def respawn(index: int, name: str):
+    async def respawn(index: int, name: str, handed: list[GeneratorRef]):
         return _Procs(), replacement
 
     async def go() -> None:
@@ -315,6 +355,81 @@ def test_a_worker_lost_before_any_group_is_replaced_and_serves():
 
     asyncio.run(asyncio.wait_for(go(), 10))
     assert replacement.group_ids == [1]
+
+
+class _Ready:
+    async def call_one(self) -> int:
+        return 4321  # the worker's pid
+
+
+class _WorkerHost:
+    """A generator host: the names of the proc meshes spawned on it, each with a worker."""
+
+    def __init__(self) -> None:
+        self.spawned: list[str] = []
+        self.handed: list[list[GeneratorRef]] = []
+        self.stopped = 0
+
+    def spawn_procs(self, per_host: dict[str, int], name: str) -> _WorkerHost:
+        self.spawned.append(name)
+        return self
+
+    def spawn(self, name: str, cls, spec, handed: list[GeneratorRef], first_of_pool: bool):
+        self.handed.append(handed)
+        worker = _ReplaceableWorker(None)
+        worker.ready = _Ready()
+        return worker
+
+    async def stop(self) -> None:
+        self.stopped += 1
+
+
+class _Hosts:
+    """Two machines with worker addresses (no proc mesh shared over them)."""
+
+    generator_workers = ["tcp://node1:26600", "tcp://node2:26600"]
+    separate_machines = False
+
+    def __init__(self) -> None:
+        self.hosts = [_WorkerHost(), _WorkerHost()]
+
+    def generator_host_index(self, index: int) -> int:
+        return index
+
+    def generator_host(self, index: int) -> _WorkerHost:
+        return self.hosts[index]
+
+
+def test_the_workers_on_a_generator_host_lost_for_good_are_replaced_on_a_host_left():
+    """Host 1 gone whole (the generator pool's host watch: generator 1 lost with it, never put
+    back): worker 1, which lived there, is lost with it (Monarch may never report it), nothing
+    is stopped there, and its replacement is spawned on generator 0's host, handed generator 1
+    without its mesh; a worker lost later is replaced on host 0 again."""
+    hosts = _Hosts()
+    generators = [_handle("generator_0"), _handle("generator_1")]
+
+    async def go() -> RolloutWorkerPool:
+        pool = await RolloutWorkerPool.spawn(None, 2, generators=generators, hosts=hosts)
+        pool.take_out(1, "its host is gone")  # the router's mirror, told first
+        pool.mark_host_lost(1, "its worker stopped answering")
+        assert pool.assigner.down == {1}  # its groups restart on worker 0
+        await asyncio.gather(*pool._replacing.values())
+        pool.mark_lost(1, "SIGKILL")  # the replacement lost in turn
+        await asyncio.gather(*pool._replacing.values())
+        return pool
+
+    pool = asyncio.run(asyncio.wait_for(go(), 10))
+    assert hosts.hosts[0].spawned == ["rollout_worker_0", "rollout_worker_1_r1",
+                                      "rollout_worker_1_r2"]
+    assert hosts.hosts[1].spawned == ["rollout_worker_1"]
+    assert hosts.hosts[1].stopped == 0 and hosts.hosts[0].stopped == 1  # rollout_worker_1_r1
+    first, handed, _ = hosts.hosts[0].handed
+    assert [ref.actors for ref in first] == [g.actors for g in generators]
+    assert [ref.actors for ref in handed] == [generators[0].actors, None]
+    assert pool.names[1] == "rollout_worker_1_r2" and not pool.assigner.down
+    assert pool.worker_hosts == [0, 0]
+    replacement = pool.workers[1][1]
+    assert replacement.take_out.broadcasts == [] and replacement.put_back.broadcasts == []
 
 
 def test_an_agent_task_with_workers_needs_a_free_port_each_naming_the_key(tiny_model_dir):

@@ -12,7 +12,8 @@
         generate_fn:       the pool's router (ResumingGenerateFn(router) with partial rollouts)
         rollout workers:   rollouter.num_workers > 0: RolloutWorkerPool.spawn on the generators'
                            hosts, each with its own router over the generators, mirrored from
-                           the pool's router (controller/rollout_workers/pool.py)
+                           the pool's router; a generator host lost takes its workers with it,
+                           replaced on the hosts left (controller/rollout_workers/pool.py)
         task, tokenizer, cursor, rollouter, validator, metrics, recorder
     -> RunParts (controller/loop/loop.py)
 
@@ -102,6 +103,7 @@ async def build_parts(plan: ResolvedJob, *, checkpointer: Checkpointer,
                 spec, plan.rollouter.num_workers, generators=pool.handles, hosts=hosts,
                 busy_clock=pool.router.busy_clock, on_fatal=on_fatal)
             pool.router.add_mirror(workers)
+            pool.on_host_lost.append(workers.mark_host_lost)
     except BaseException:
         if workers is not None:
             await workers.close()

@@ -54,7 +54,9 @@ class GeneratorHandle:
         """None: procs owned elsewhere (a rollout worker's borrowed handle; a generator on the
         pool's one proc mesh): their owner stops them."""
         self.actors = actors
-        self.rank0 = actors.slice(procs=0)
+        """None: a rollout worker's handle for a generator out when the worker was spawned
+        (detached at once; put_back gives it the replacement's)."""
+        self.rank0 = actors.slice(procs=0) if actors is not None else None
         self.config = config
         self.name = name
         """The actor mesh's spawn name (Monarch's failure reports name it ``<name>-<suffix>``)."""

@@ -13,7 +13,8 @@
              aborts its requests and takes that version as its next pull
     loss:    a handle's call fails with Monarch's supervision error, Monarch's fault hook names
              the mesh (supervision.py: ReplaceableMeshes), or its host's worker stops answering
-             (host_watch.py) -> mark_lost(i):
+             (host_watch.py: every generator on it, and on_host_lost: the rollout workers
+             there) -> mark_lost(i):
                router.take_out(i); the handle fails its outstanding calls with GeneratorLostError
                (the loop restarts those groups from their prompts); in a task of its own:
                stop the dead procs (bounded; on the shared mesh, its actor) -> spawn
@@ -117,6 +118,9 @@ class GeneratorPool(ReplaceableMeshes):
         """Generators drained and closed on request (requests.py): never replaced."""
         self.lost_hosts: set[int] = set()
         """Generator hosts gone whole (host_watch.py): nothing is spawned or stopped there."""
+        self.on_host_lost: list[Callable[[int, str], None]] = []
+        """Told of each generator host gone whole, after its generators (the rollout workers
+        on it are lost with it)."""
         self.run_dir = run_dir
         self._tasks: list[asyncio.Task[None]] = []
         """The host watch and the fleet requests' watch, cancelled at close."""
@@ -348,6 +352,8 @@ class GeneratorPool(ReplaceableMeshes):
                     and handle.lost_reason is None):
                 logger.info("%s's host is gone: %s", handle.name, reason)
                 self.mark_lost(index, f"its host is gone: {reason}")
+        for listener in self.on_host_lost:
+            listener(host_index, reason)
 
     def _on_handle_lost(self, handle: GeneratorHandle, reason: str) -> None:
         if self.closing or handle not in self.handles:

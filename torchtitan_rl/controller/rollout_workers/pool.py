@@ -13,8 +13,12 @@ generators, hand each admitted group to the least loaded one, mirror the router 
                 the caller cancelled -> worker.cancel_group(key))
     a worker's proc dies -> MeshFailureWatch -> mark_lost(i): its groups raise
                 RolloutWorkerLostError (the loop restarts them whole on the others), no group
-                goes to it, a replacement spawns on its host, learns the router's state
-                (generators out or in a push) and takes groups again
+                goes to it; a replacement spawns on its host (that host gone: the next
+                generator's host left), handed the generators out (lost, being replaced) without
+                their meshes, so it starts with them taken out; once it is ready it is told what
+                changed meanwhile (taken out, put back, in a push) and takes groups again
+    a generator host gone (the generator pool's host watch) -> mark_host_lost(h): the workers
+                on it are lost as above (Monarch may never report them), none spawned there
     close:      every worker closes (it never closes a generator), then its own mesh (or its
                 actor, then the shared mesh) stops; before the generators (RunParts.close)
 
@@ -84,20 +88,22 @@ class WorkerAssigner:
 
 
 class RolloutWorkerPool(ReplaceableMeshes):
-    def __init__(self, workers: list[tuple[Any, Any]], *, num_generators: int,
+    def __init__(self, workers: list[tuple[Any, Any]], *, generators: list[GeneratorRef],
                  busy_clock: BusyClock | None = None,
-                 respawn: Callable[[int, str], Awaitable[tuple[Any, Any]]] | None = None,
+                 respawn: Callable[[int, str, list[GeneratorRef]],
+                                   Awaitable[tuple[Any, Any]]] | None = None,
                  on_fatal: Callable[[str], None] | None = None,
                  open_channel: Callable[[], tuple[Any, Any]] = open_channel) -> None:
         """``workers``: (what stops it: its proc mesh, or its actor mesh on the shared proc
-        mesh; RolloutWorker actor mesh) each, spawned as ``rollout_worker_<i>``; ``respawn(i,
-        name)``: a replacement for worker ``i`` (None: a lost worker fails the run through
-        ``on_fatal``); ``open_channel``: a (port, receiver) pair for a worker's outcomes."""
+        mesh; RolloutWorker actor mesh) each, spawned as ``rollout_worker_<i>`` with
+        ``generators``; ``respawn(i, name, handed)``: a replacement for worker ``i``, handed
+        ``handed`` (None: a lost worker fails the run through ``on_fatal``); ``open_channel``: a
+        (port, receiver) pair for a worker's outcomes."""
         super().__init__("rollout_worker", len(workers))
         self.workers = workers
         self.assigner = WorkerAssigner(len(workers))
         self.busy_clock = busy_clock or BusyClock()
-        self._num_routed = [[0] * num_generators for _ in workers]
+        self._num_routed = [[0] * len(generators) for _ in workers]
         """Each worker's cumulative requests per generator, as its latest outcome said."""
         self._num_resumed = [0] * len(workers)
         """Each worker's cumulative resumed requests (partial rollouts), likewise."""
@@ -114,11 +120,13 @@ class RolloutWorkerPool(ReplaceableMeshes):
         event-loop turn leave in one one-way ``run_groups`` message, outcomes come back in
         batches on one reply port (batched_calls.py); made on first use."""
         self._changed: asyncio.Condition | None = None
+        self.worker_hosts = [0] * len(workers)
+        """The generator host each worker runs on (hosts.generator_host_index)."""
+        self.lost_hosts: set[int] = set()
+        """Generator hosts gone whole (mark_host_lost): no worker is spawned or stopped there."""
         # The router's state a replacement must start from (RouterMirror below).
-        self._generators: list[GeneratorRef] = []
+        self._generators = list(generators)
         self._out: set[int] = set()
-        self._generator_back = asyncio.Event()
-        """Set (and renewed) when a generator taken out serves again (put_back)."""
         self._in_push: set[int] = set()
 
     @classmethod
@@ -129,16 +137,23 @@ class RolloutWorkerPool(ReplaceableMeshes):
         refs = [GeneratorRef.of(handle) for handle in generators]
         pool: RolloutWorkerPool | None = None
 
-        async def respawn(index: int, name: str, procs: Any = None) -> tuple[Any, Any]:
-            """Worker ``index`` on ``procs`` (a proc of the shared mesh) or on a mesh of its own
-            on its generator's host. Returns (what to stop when it goes: its own mesh, or its
-            actor mesh on the shared one; its actor mesh)."""
+        async def respawn(index: int, name: str, handed: list[GeneratorRef],
+                          procs: Any = None) -> tuple[Any, Any]:
+            """Worker ``index`` handed ``handed``, on ``procs`` (a proc of the shared mesh) or
+            on a mesh of its own on its generator's host (that host gone: the next generator's
+            host left). Returns (what to stop when it goes: its own mesh, or its actor mesh on
+            the shared one; its actor mesh)."""
             own_procs = procs is None
             if own_procs:
-                procs = hosts.generator_host(index % len(refs)).spawn_procs(
+                lost = pool.lost_hosts if pool is not None else set()
+                order = [(index + k) % len(refs) for k in range(len(refs))]
+                generator = next((g for g in order
+                                  if hosts.generator_host_index(g) not in lost), order[0])
+                if pool is not None:
+                    pool.worker_hosts[index] = hosts.generator_host_index(generator)
+                procs = hosts.generator_host(generator).spawn_procs(
                     per_host={"procs": 1}, name=name)
-            current = pool._generators if pool is not None else refs
-            actor = procs.spawn(name, RolloutWorker, spec, current, pool is None and index == 0)
+            actor = procs.spawn(name, RolloutWorker, spec, handed, pool is None and index == 0)
             stops = procs if own_procs else actor
             try:
                 pid = await asyncio.wait_for(actor.ready.call_one(), SPAWN_TIMEOUT_S)
@@ -148,11 +163,10 @@ class RolloutWorkerPool(ReplaceableMeshes):
             logger.info("rollout worker %s started (pid %d)", name, pid)
             return stops, actor
 
-        shared = spawn_shared_procs(
-            hosts, [hosts.generator_host_index(i % len(refs)) for i in range(num_workers)],
-            "rollout_workers")
+        worker_hosts = [hosts.generator_host_index(i % len(refs)) for i in range(num_workers)]
+        shared = spawn_shared_procs(hosts, worker_hosts, "rollout_workers")
         results = await asyncio.gather(
-            *(respawn(i, f"rollout_worker_{i}", shared[1](i) if shared else None)
+            *(respawn(i, f"rollout_worker_{i}", refs, shared[1](i) if shared else None)
               for i in range(num_workers)),
             return_exceptions=True)
         workers = [r for r in results if not isinstance(r, BaseException)]
@@ -161,9 +175,9 @@ class RolloutWorkerPool(ReplaceableMeshes):
             await asyncio.gather(*(stops.stop() for stops, _ in workers),
                                  *([shared[0].stop()] if shared else []), return_exceptions=True)
             raise errors[0]
-        pool = cls(workers, num_generators=len(refs), busy_clock=busy_clock, respawn=respawn,
+        pool = cls(workers, generators=refs, busy_clock=busy_clock, respawn=respawn,
                    on_fatal=on_fatal)
-        pool._generators = refs
+        pool.worker_hosts = worker_hosts
         pool.shared_procs = shared[0] if shared else None
         return pool
 
@@ -235,34 +249,39 @@ class RolloutWorkerPool(ReplaceableMeshes):
             return
         self.start_replacement(index, reason)
 
+    def mark_host_lost(self, host: int, reason: str) -> None:
+        """Generator host ``host`` is gone whole (the generator pool's host watch): the workers
+        on it are lost (Monarch may never report their procs, and calls to them may never
+        return), and none is spawned there again."""
+        self.lost_hosts.add(host)
+        for index, worker_host in enumerate(self.worker_hosts):
+            if worker_host == host:
+                self.mark_lost(index, f"its host is gone: {reason}")
+
     async def _replace(self, index: int, name: str, reason: str) -> bool:
         assert self._respawn is not None
         old_stops = self.workers[index][0]
+        host_gone = self.worker_hosts[index] in self.lost_hosts  # nothing there answers a stop
+        # A generator out (lost, being replaced, or lost for good) is handed without its mesh,
+        # which Monarch refuses once stopped: the worker starts with it taken out.
+        handed = [GeneratorRef(name=ref.name, actors=None, config=ref.config)
+                  if g in self._out else ref for g, ref in enumerate(self._generators)]
         try:
-            while True:
-                back = self._generator_back
-                try:
-                    procs, actor = await self._respawn(index, name)
-                    break
-                except Exception as e:
-                    # A generator being replaced: the new worker is handed its lost mesh, which
-                    # Monarch refuses once stopped. Spawn again once it serves (bounded).
-                    if not self._out:
-                        raise
-                    logger.warning("rollout worker %d: spawning %s failed (%s) while generators "
-                                   "%s are replaced: again once one is back", index, name, e,
-                                   sorted(self._out))
-                    await asyncio.wait_for(back.wait(), SPAWN_TIMEOUT_S)
+            procs, actor = await self._respawn(index, name, handed)
         except Exception as e:
             if self._on_fatal is not None:
                 self._on_fatal(f"rollout worker {index} could not be replaced: {e}")
             return False
         finally:
-            await asyncio.gather(asyncio.wait_for(old_stops.stop(), STOP_TIMEOUT_S),
-                                 return_exceptions=True)
-        # Its router starts from every generator serving: tell it what the others know.
-        for g in self._out:
-            actor.take_out.broadcast(g, "lost before this worker started")
+            if not host_gone:
+                await asyncio.gather(asyncio.wait_for(old_stops.stop(), STOP_TIMEOUT_S),
+                                     return_exceptions=True)
+        # The router's changes while it started (it is not mirrored yet), and any push under way.
+        for g, ref in enumerate(self._generators):
+            if g in self._out and handed[g].actors is not None:
+                actor.take_out.broadcast(g, "lost while this worker started")
+            elif g not in self._out and handed[g] is not ref:
+                actor.put_back.broadcast(g, ref)
         if self._in_push:
             actor.set_in_push.broadcast(sorted(self._in_push), True)
         self.workers[index] = (procs, actor)
@@ -291,8 +310,6 @@ class RolloutWorkerPool(ReplaceableMeshes):
         self._out.discard(index)
         if index < len(self._generators):
             self._generators[index] = ref
-        back, self._generator_back = self._generator_back, asyncio.Event()
-        back.set()
         for _, actor in self.workers:
             actor.put_back.broadcast(index, ref)
 

@@ -2,8 +2,9 @@
 controller exchanges one message per group with it instead of one per turn.
 
     controller -spawn(RolloutWorkerSpec, [GeneratorRef])-> worker: task, tokenizer, Rollouter,
-        one borrowed GeneratorHandle per generator (no procs: the pool owns the meshes), its
-        own GeneratorRouter over them (ResumingGenerateFn around it with partial rollouts)
+        one borrowed GeneratorHandle per generator (no procs: the pool owns the meshes; a
+        generator out at the spawn comes without its mesh and starts taken out), its own
+        GeneratorRouter over them (ResumingGenerateFn around it with partial rollouts)
     controller -run_groups([GroupAssignment], replies port)-> worker (one-way; the groups the
         controller assigned it in one event-loop turn): per group, task.dataset("train")[prompt
         index] -> Rollouter.run_group_rollouts (env steps, chat template, tokenizing; each turn
@@ -69,6 +70,8 @@ class GeneratorRef:
 
     name: str
     actors: Any
+    """None: the generator is out (lost, being replaced) as the worker is spawned; its stopped
+    mesh cannot be handed, and put_back brings its replacement's."""
     config: Generator.Config
 
     @classmethod
@@ -132,6 +135,10 @@ class RolloutWorker(Actor):
         self.rollouter = spec.rollouter.build(tokenizer=tokenizer, make_env=self.task.make_env)
         self.handles = [self._borrow(ref) for ref in generators]
         self.router: GeneratorRouter = spec.router.build(generators=list(self.handles))
+        for index, ref in enumerate(generators):
+            if ref.actors is None:  # out as this worker started: routed to once put back
+                self.router.take_out(index)
+                self.handles[index].detach("out when this rollout worker started")
         self.generate_fn: GenerateFn = (ResumingGenerateFn(self.router)
                                         if spec.partial_rollouts else self.router)
         gc.freeze()  # its start-up heap lives as long as it does: keep it out of collections
