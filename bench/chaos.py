@@ -20,22 +20,27 @@ The kinds of kill (``--kinds``; default: every kind the config has):
                      a tensor-parallel-1 generator's worker and its procs; the run goes on with
                      the generators left until a controller kill reruns it
     controller       SIGKILL of the controller; the same command is run again and resumes
-    sigterm          SIGTERM of the controller (once): it must stop with exit 143, then the same
-                     command resumes
+    sigterm          SIGTERM of the controller: it must stop with exit 143, then the same command
+                     resumes
+    trainer_host     SIGKILL of the trainer's simulated host's whole session (placement.kind =
+                     "process"): the run must end with one line saying the trainer's host is
+                     gone and to run the same command again (exit code not 0), which resumes
 
-The kills go in rounds: the kinds other than host and the controller's, in a seeded order, then
-host, then the controller's (a rerun brings a lost host back); the second round's controller kill
-is the SIGTERM. Kill i comes once 1 or 2 more steps (seeded) have trained since kill i - 1, a
-seeded fraction of the last step's duration into the next, so kills land in generation, training
-and weight pushes alike. The target is drawn (seeded) among the newest pids the run's log names
+The kills go in rounds: the kinds other than host and the ones that end the run, in a seeded
+order, then host, then a rollout worker again (its replacement must not wait for the lost
+generator), then one that ends the run (a rerun brings a lost host back): the controller's
+SIGKILL, the second round's a SIGTERM, the third's the trainer's host. Kill i comes once 1 or 2
+more steps (seeded) have trained since kill i - 1, a seeded fraction of the last step's duration
+into the next, so kills land in generation, training and weight pushes alike. The target is drawn (seeded) among the newest pids the run's log names
 (``trainer ... started (pids ...)``, ``generator ... started (tp=..., pids ...)``, ``rollout
 worker ... started (pid ...)``), leaving out a target whose recovery is under way. A kill is
 recovered when the log reports it (``<generator> replaced by ...``, ``trainer restarted in ...``,
 ``rollout worker N replaced``, ``<generator> was lost and cannot be replaced on its host``) or,
-for the controller's, when the rerun has trained a step. Recoveries of generators and rollout
-workers may overlap later kills; a trainer kill waits for the previous trainer's restart, and a
-host or controller kill for every recovery under way. The run may restart each part as often as
-there are kills (``--trainer.max_restarts``, ``--generator.max_restarts`` raised to ``--kills``).
+for one that ends the run, when the rerun has trained a step. Recoveries of generators and
+rollout workers may overlap later kills; a trainer kill waits for the previous trainer's restart,
+and a host kill or one that ends the run for every recovery under way. The run may restart each
+part as often as there are kills (``--trainer.max_restarts``, ``--generator.max_restarts`` raised
+to ``--kills``).
 Each part of the disturbed run carries a marker in its environment, which its processes inherit:
 after a controller's end the next part starts once none is left (at most 60 s), and at the end
 ``leftover`` counts the marked processes still alive 60 s after the last part exited.
@@ -68,7 +73,9 @@ GENERATOR_STARTED = re.compile(r"generator (\S+) started \(tp=(\d+), pids ([\d,]
 TRAINER_STARTED = re.compile(r"trainer (\S+) started \(pids ([\d,]+)")
 WORKER_STARTED = re.compile(r"rollout worker (\S+) started \(pid (\d+)\)")
 KINDS = ("generator", "generator_rank", "trainer", "rollout_worker", "host", "controller",
-         "sigterm")
+         "sigterm", "trainer_host")
+ENDS_THE_RUN = ("controller", "sigterm", "trainer_host")
+TRAINER_HOST_GONE = re.compile(r"the trainer's host is gone: .*run the same command again")
 RECOVERY_TIMEOUT_S = 900.0
 GONE_WITHIN_S = 60.0
 MONARCH_HOST_TIMEOUTS = {"HYPERACTOR_MESH_GET_PROC_STATE_MAX_IDLE": "10s",
@@ -203,12 +210,14 @@ def _target(kind: str, run: Disturbed, pick: float, pending: list[Kill]
         name, pids = choose(tp)
         rank = 1 + int(pick * (len(pids) - 1))
         return f"{name} rank {rank}", int(pids[rank])
-    if kind == "trainer":
+    if kind in ("trainer", "trainer_host"):
         trainers = list(_newest(TRAINER_STARTED, text).values())
         if not trainers or any(kill.kind == "trainer" for kill in pending):
             return None
         pids = trainers[-1].group(2).split(",")
         rank = int(pick * len(pids))
+        if kind == "trainer_host":  # its ranks' host: one session (placement.trainer_hosts 1)
+            return "trainer host", int(pids[rank])
         return f"{trainers[-1].group(1)} rank {rank}", int(pids[rank])
     if kind == "rollout_worker":
         workers = [(n, int(m.group(2))) for n, m in _newest(WORKER_STARTED, text).items()
@@ -247,15 +256,28 @@ def _recovered(kill: Kill, run: Disturbed) -> str | None:
     return None
 
 
-def _kill_controller(kill: Kill, run: Disturbed, sig: signal.Signals) -> None:
-    """Signal the controller, wait for its end and its processes', then run the same command
-    again and wait for its first trained step."""
+def _end_run(kill: Kill, run: Disturbed) -> None:
+    """Signal the controller (or kill the trainer's host), wait for the controller's end and its
+    processes', then run the same command again and wait for its first trained step."""
     assert run.proc is not None
     killed_at = time.monotonic()
-    run.proc.send_signal(sig)
-    code = run.proc.wait()
-    expected = -signal.SIGKILL if sig == signal.SIGKILL else 128 + signal.SIGTERM
+    if kill.kind == "trainer_host":
+        _kill_session(kill.pid, run)
+    else:
+        run.proc.send_signal(signal.SIGKILL if kill.kind == "controller" else signal.SIGTERM)
+    code = run.proc.wait(timeout=RECOVERY_TIMEOUT_S)
+    expected_exit = {"controller": code == -signal.SIGKILL,
+                     "sigterm": code == 128 + signal.SIGTERM,
+                     "trainer_host": code not in (0, -signal.SIGKILL)}[kill.kind]
+    said = ""
+    if kill.kind == "trainer_host":  # and its last word is the one line that says what to do
+        console = run.run_dir.parent.parent / f"disturbed.console.{run.parts - 1}.txt"
+        errors = [line for line in console.read_text(errors="replace").splitlines()
+                  if line.startswith("error:")]
+        expected_exit &= bool(errors) and TRAINER_HOST_GONE.search(errors[-1]) is not None
+        said = f" ({errors[-1] if errors else 'no error: line'})"
     left = _wait_gone(run.env[MARKER_ENV])
+    run.poll_steps()  # the steps the ended part wrote after the last poll are not the rerun's
     run.start_part()
     run.steps_since = 0
     while run.steps_since == 0:
@@ -264,26 +286,37 @@ def _kill_controller(kill: Kill, run: Disturbed, sig: signal.Signals) -> None:
         time.sleep(0.2)  # polling the run's files: no event to wait on
         run.poll_steps()
     resumed = re.search(r"resumed from \S+ at step (\d+)", run.read_log())
-    kill.recovery = (f"exit {code}{'' if code == expected else ' UNEXPECTED'}, "
+    kill.recovery = (f"exit {code}{'' if expected_exit else ' UNEXPECTED'}{said}, "
                      f"{len(left)} processes left; the rerun resumed from step "
                      f"{resumed.group(1) if resumed else 'NONE'} and trained a step")
     kill.recovery_s = time.monotonic() - killed_at
 
 
+def _kill_session(pid: int, run: Disturbed) -> None:
+    """SIGKILL of ``pid``'s whole session: a simulated host's worker and every proc on it."""
+    assert run.proc is not None
+    session = os.getsid(pid)
+    assert session != os.getsid(run.proc.pid), "a host kill in the controller's session"
+    os.killpg(session, signal.SIGKILL)
+
+
 def _schedule(kinds: list[str], num_kills: int, rng: random.Random) -> list[str]:
-    """Rounds of the kinds: the others in a seeded order, then host, then the controller's (the
-    second round's a SIGTERM)."""
-    others = [k for k in kinds if k not in ("host", "controller", "sigterm")]
+    """Rounds of the kinds: the others in a seeded order, then host and a rollout worker again,
+    then one that ends the run: the controller's SIGKILL, the second round's a SIGTERM, the
+    third's the trainer's host (a kind not asked for: the controller's, else one asked)."""
+    others = [k for k in kinds if k not in ("host", *ENDS_THE_RUN)]
+    ends = [k for k in ENDS_THE_RUN if k in kinds]
     plan: list[str] = []
     round_index = 0
     while len(plan) < num_kills:
         turn = rng.sample(others, len(others))
-        turn += [k for k in ("host",) if k in kinds]
-        if "sigterm" in kinds and (round_index == 1 or "controller" not in kinds) and \
-                "sigterm" not in plan:
-            turn.append("sigterm")
-        elif "controller" in kinds:
-            turn.append("controller")
+        if "host" in kinds:
+            turn += ["host"] + [k for k in ("rollout_worker",) if k in kinds]
+        if ends:
+            end = {1: "sigterm", 2: "trainer_host"}.get(round_index, "controller")
+            if end not in ends:
+                end = "controller" if "controller" in ends else ends[round_index % len(ends)]
+            turn.append(end)
         plan += turn
         round_index += 1
     return plan[:num_kills]
@@ -325,7 +358,7 @@ def _disturb(run: Disturbed, plan: list[str], rng: random.Random) -> list[Kill]:
             run.poll_steps()
             if run.steps_since >= gap and \
                     time.monotonic() - run.step_started >= fraction * run.last_step_s and \
-                    not (pending and kind in ("host", "controller", "sigterm")):
+                    not (pending and kind in ("host", *ENDS_THE_RUN)):
                 target = _target(kind, run, pick, pending)
                 if target is not None and (kind in ("controller", "sigterm") or _alive(target[1])):
                     break
@@ -337,15 +370,12 @@ def _disturb(run: Disturbed, plan: list[str], rng: random.Random) -> list[Kill]:
               f"{kill.after_steps} steps, {kill.seconds_into_step} s into the next", flush=True)
         kill.killed_at, kill.log_mark = time.monotonic(), len(run.read_log())
         kills.append(kill)
-        if kind in ("controller", "sigterm"):
-            _kill_controller(kill, run, signal.SIGKILL if kind == "controller" else
-                             signal.SIGTERM)
+        if kind in ENDS_THE_RUN:
+            _end_run(kill, run)
             print(f"  {kill.recovery} ({kill.recovery_s:.1f} s after the kill)", flush=True)
         else:
             if kind == "host":
-                session = os.getsid(kill.pid)
-                assert session != os.getsid(run.proc.pid), "a host kill in the controller's session"
-                os.killpg(session, signal.SIGKILL)
+                _kill_session(kill.pid, run)
                 run.lost_generators.add(kill.target)
             else:
                 os.kill(kill.pid, signal.SIGKILL)
@@ -406,7 +436,8 @@ def main() -> None:
                                                    [config.generator.tensor_parallel_degree])),
            "trainer": True, "rollout_worker": config.rollouter.num_workers > 0,
            "host": config.placement.kind == "process" and config.num_generators > 1,
-           "controller": True, "sigterm": True}
+           "controller": True, "sigterm": True,
+           "trainer_host": config.placement.kind == "process"}
     kinds = args.kinds.split(",") if args.kinds else [k for k in KINDS if has[k]]
     if unknown := [k for k in kinds if k not in KINDS or not has[k]]:
         sys.exit(f"--kinds: {unknown} not among this config's kinds "

@@ -1,7 +1,8 @@
 """A lost host noticed by the run itself: its Monarch worker stops answering on its port.
 
     GeneratorPool.spawn -> HostWatch(addresses of the generator hosts, on_lost).run() (a task)
-        every interval_s: a TCP connect to each host's worker (tcp://HOST:PORT, tls://HOST:PORT)
+        every interval_s: a connect to each host's worker (tcp://HOST:PORT, tls://HOST:PORT;
+        ipc://PATH, a simulated host's socket)
         misses in a row -> on_lost(host index, reason), once per host
     GeneratorPool.close -> the task cancelled
 
@@ -26,8 +27,8 @@ logger = logging.getLogger(__name__)
 class HostWatch:
     def __init__(self, addresses: list[str], on_lost: Callable[[int, str], None], *,
                  interval_s: float, misses: int = 2) -> None:
-        """``addresses[i]``: host i's worker (tcp:// or tls://; others are not watched; the
-        list is read at every round);
+        """``addresses[i]``: host i's worker (tcp://, tls:// or ipc://; others are not watched;
+        the list is read at every round);
         ``on_lost(i, reason)`` once host i missed ``misses`` probes in a row."""
         self.addresses = addresses
         self.on_lost = on_lost
@@ -52,11 +53,14 @@ class HostWatch:
     async def probe(self, address: str) -> str | None:
         """None when the worker at ``address`` accepts a connection, else why not."""
         parsed = urllib.parse.urlsplit(address)
-        if parsed.scheme not in ("tcp", "tls") or parsed.port is None:
+        if parsed.scheme == "ipc":
+            connect = asyncio.open_unix_connection(parsed.path)
+        elif parsed.scheme in ("tcp", "tls") and parsed.port is not None:
+            connect = asyncio.open_connection(parsed.hostname, parsed.port)
+        else:
             return None
         try:
-            _, writer = await asyncio.wait_for(
-                asyncio.open_connection(parsed.hostname, parsed.port), self.interval_s)
+            _, writer = await asyncio.wait_for(connect, self.interval_s)
         except (OSError, TimeoutError) as e:
             return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         writer.close()

@@ -17,8 +17,9 @@
                                  its replacement after a loss is spawned there again
     hosts.separate_machines      True when each host is its own machine by construction
                                  ("process" simulates that): weight pushes never use shared memory
-    hosts.generator_workers      the generator hosts' worker addresses (attach, slurm): a host
-                                 whose worker stops answering is lost (host_watch.py)
+    hosts.generator_workers      the generator hosts' worker addresses (attach, slurm; process:
+                                 their sockets): a host whose worker stops answering is lost
+                                 (host_watch.py)
     hosts.watch_trainer_hosts(on_lost)  the trainer's hosts likewise: one is gone -> on_lost
     await hosts.close()          the job's workers are stopped (process, slurm); bounded
 
@@ -190,6 +191,10 @@ class Placement(Configurable):
             hosts = RunHosts(trainer=state.trainer, generators=state.generators,
                              generators_per_host=c.generators_per_host, job=job,
                              separate_machines=c.kind == "process", reaper=reaper)
+            if c.kind == "process":  # each simulated host's worker listens on a socket
+                hosts.trainer_workers = _simulated_host_sockets(job, "trainer", c.trainer_hosts)
+                hosts.generator_workers = _simulated_host_sockets(
+                    job, "generators", c.num_generator_hosts(num_generators))
             if c.kind == "slurm":
                 workers = [f"tcp://{node}:{c.slurm.monarch_port}" for node in job.hostnames()]
                 hosts.trainer_workers = workers[:c.trainer_hosts]
@@ -224,11 +229,13 @@ class RunHosts:
     reaper: OrphanReaper | None = None
     """Ends the job's processes if this controller ends without close (controller/hosts/reaper.py)."""
     trainer_workers: list[str] = dataclasses.field(default_factory=list)
-    """The trainer hosts' worker addresses (attach, slurm): a trainer host lost whole fails the
-    run with one line (watch_trainer_hosts), which a rerun resumes."""
+    """The trainer hosts' worker addresses (attach, slurm; process: the simulated hosts'
+    sockets): a trainer host lost whole fails the run with one line (watch_trainer_hosts), which
+    a rerun resumes."""
     generator_workers: list[str] = dataclasses.field(default_factory=list)
-    """The generator hosts' worker addresses, where the run knows them (attach, slurm): watched
-    for a host lost whole (host_watch.py). Hosts added mid-run come after the first ones."""
+    """The generator hosts' worker addresses, where the run knows them (attach, slurm; process:
+    the simulated hosts' sockets): watched for a host lost whole (host_watch.py). Hosts added
+    mid-run come after the first ones."""
     open_host: Callable[[str], Awaitable[tuple[Any, Any, str]]] | None = None
     """slurm: a new host for one more generator (a one-node allocation of its own): (its
     HostMesh, its job, its worker address). None: a generator added mid-run shares the
@@ -397,6 +404,11 @@ async def _start_simulated_hosts(job: Any, timeout_s: float) -> None:
                         f"placement.kind=process: the simulated host {host} did not listen on "
                         f"{path} after {timeout_s:g} s (placement.host_timeout_s)") from None
                 await asyncio.sleep(0.05)  # polling a socket that is not bound yet
+
+
+def _simulated_host_sockets(job: Any, mesh: str, count: int) -> list[str]:
+    """The ipc:// addresses of a ProcessJob's workers for ``mesh`` (hosts ``<mesh>_<i>``)."""
+    return [job._host_to_pid[f"{mesh}_{i}"].channel for i in range(count)]
 
 
 def _check_address(key: str, address: str) -> None:

@@ -44,9 +44,11 @@ def spawn_shared_procs(hosts: RunHosts, host_of: list[int], name: str,
     if (len(host_of) < 2 or used != list(range(len(used)))
             or len(set(per_host_counts.values())) != 1):
         return None
-    if hosts.generator_workers and len(used) > 1:
+    if hosts.generator_workers and not hosts.separate_machines and len(used) > 1:
         # Machines of their own (slurm, attach): a proc mesh over several dies with any of them
         # (a lost Slurm node's peer on another node was reaped as orphaned within 10 s).
+        # Simulated hosts (separate_machines) share one machine: the proc on the host left
+        # served on for 40 s after its peer's host was killed.
         return None
     per_host = per_host_counts[0]
     mesh = hosts.generators
