@@ -10,7 +10,10 @@ fresh clone of this repository's committed HEAD, made under ``--out``:
 2. ``rerun``: seed 0 again under another run name: set-up, model and warm start cached;
 3. each further seed of ``--seeds`` (its own warm start: the cache is keyed by seed);
 4. ``avx2``: seed ``--avx2-seed`` with ``MKL_ENABLE_INSTRUCTIONS=AVX2`` and a warm-start cache of
-   its own, so that the warm start too runs on the kernels an AVX2-only box picks.
+   its own, so that the warm start too runs on the kernels an AVX2-only box picks; then a line
+   saying whether that setting changes this CPU's results at all (40 training steps of the demo
+   model with and without it, compared bit for bit: on a CPU where MKL already picks its AVX2
+   kernels, the avx2 run trains what the seed's own run does).
 
 The table gives each run's rewards from its ``summary.json`` (before and after GRPO, the rise paired
 by episode, its z with standard errors clustered by episode) and wall time, after a line with the
@@ -47,6 +50,42 @@ def cpu_line() -> str:
             flags = set(value.split())
     have = [f for f in VECTOR_FLAGS if f in flags]
     return f"cpu: {model}, {os.cpu_count()} cores, {' '.join(have) or 'no avx2'}"
+
+
+KERNEL_PROBE = """
+import hashlib, sys, torch
+from transformers import AutoModelForCausalLM
+torch.manual_seed(0)
+torch.set_num_threads(1)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32)
+optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+digest = hashlib.sha256()
+for _ in range(40):
+    ids = torch.randint(0, model.config.vocab_size, (16, 96))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+for parameter in model.parameters():
+    digest.update(parameter.detach().numpy().tobytes())
+print(digest.hexdigest())
+"""
+"""40 AdamW steps of the demo model on random tokens, one thread; prints a digest of its weights
+(the warm start's kind of work, in seconds)."""
+
+
+def avx2_changes_kernels(clone: pathlib.Path) -> bool:
+    """Whether ``MKL_ENABLE_INSTRUCTIONS=AVX2`` changes this CPU's results: `KERNEL_PROBE` with
+    and without it. Where it does not (MKL already runs its AVX2 kernels here), the avx2 run
+    trains what seed's run does, up to vLLM's batching."""
+    digests = []
+    for env in ({}, {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}):
+        proc = subprocess.run([str(clone / ".venv" / "bin" / "python"), "-c", KERNEL_PROBE,
+                               str(clone / "assets" / "models" / "demo")],
+                              env={**os.environ, **env}, capture_output=True, text=True,
+                              check=True)
+        digests.append(proc.stdout.strip())
+    return digests[0] != digests[1]
 
 
 def train(clone: pathlib.Path, name: str, seed: int, extra: list[str],
@@ -104,6 +143,8 @@ def main() -> None:
                     env={"MKL_ENABLE_INSTRUCTIONS": "AVX2"})
         report(row)
         trained.append(row)
+        print(f"MKL_ENABLE_INSTRUCTIONS=AVX2 changes this CPU's results: "
+              f"{avx2_changes_kernels(clone)}", flush=True)
     zs = [r["rise_z"] for r in trained if r.get("rise_z") is not None]
     print(f"min_rise={min(r['rise'] for r in trained):+.4f} "
           f"min_z={min(zs) if zs else float('nan'):.1f} "
