@@ -68,6 +68,7 @@ def test_a_rollout_worker_a_trainer_rank_and_a_tp_rank_killed_lose_nothing(tmp_p
     finally:
         run.close()
     text = log.text()
+    (tmp_path / "controller.log").write_text(text)  # kept for a post-mortem of a failed check
     assert proc.returncode == 0, text[-4000:]
     # The TP rank's loss is the generator's, never a failed group (which would fail the run):
     # rank 0 exits when its collective with the dead rank fails, or, idle, is stopped with the
