@@ -12,8 +12,9 @@ demo model, its cached warm start), or the run config ``--config`` names, at
 ``loop.staleness.max_staleness = --max-staleness``, for ``--steps`` steps with the same seed,
 changed only by the ``trainer.loss.off_policy`` lines in ``VARIANTS``; validation before and
 after, no checkpoints; each its own ``python -m torchtitan_rl.train`` process, one after the
-other (bench/algorithms.py's ``run_variant``). docs/algorithms.md has the table of
-``--config run_configs/reasoning_gym.toml --steps 30`` at seeds 0 and 1.
+other (bench/algorithms.py's ``run_variant``). docs/algorithms.md has the tables of
+``--config run_configs/reasoning_gym.toml --steps 30`` at seeds 0 and 1, and of the mini-batch
+variants on the main job (``--max-staleness 0 --steps 30``).
 
 The table, per variant: held-out reward before and after, the rise with its standard error and z
 (paired by episode), the trainer/generator mismatch (``mismatch/k3_token_mean``) at the first
