@@ -47,8 +47,8 @@ def spawn_shared_procs(hosts: RunHosts, host_of: list[int], name: str,
     if hosts.generator_workers and not hosts.separate_machines and len(used) > 1:
         # Machines of their own (slurm, attach): a proc mesh over several dies with any of them
         # (a lost Slurm node's peer on another node was reaped as orphaned within 10 s).
-        # Simulated hosts (separate_machines) share one machine: the proc on the host left
-        # served on for 40 s after its peer's host was killed.
+        # Simulated hosts (placement "process") all run on this one machine: a proc mesh over
+        # them outlives one host's loss (its proc on the host left serves on).
         return None
     per_host = per_host_counts[0]
     mesh = hosts.generators
